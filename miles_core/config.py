@@ -1,0 +1,317 @@
+"""RunConfig: the one object a run is built from.
+
+The same model is the Prefect flow parameter (the UI form), the TOML config file and the target
+of the ``miles`` command-line flags (which keep Miles' names, see ``miles_core.cli``).
+
+Parts:
+- ``ModelConfig``: which policy to start from (a local Hugging Face folder, or the built-in tiny
+  model, built once and cached by the hash of its recipe).
+- ``DataConfig``: a tagged union, ``FileDataConfig`` (JSONL / Parquet over fsspec) or
+  ``ToyDataConfig`` (the synthetic addition task).
+- ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
+- ``EngineConfig``: a tagged union of rollout engines (``HFEngineConfig`` for now).
+- ``TrainConfig``: batch sizes, optimizer, advantage and loss settings, trainer backend union.
+- ``EvalConfig``: held-out evaluation.
+- ``StorageConfig``: where the run's samples, weights and metrics go.
+
+This module imports without torch, transformers or prefect (a test checks it).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+class TinyModelRecipe(_Base):
+    """Recipe of the built-in tiny Llama-config model and its supervised warm start.
+
+    The recipe's hash names the cache folder, so changing any field builds a new model once."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (key/value heads are the same number)."""
+    intermediate_size: int = 256
+    """Width of the MLP."""
+    sft_steps: int = 600
+    """Optimizer steps of the supervised warm start."""
+    sft_batch_size: int = 64
+    """Examples per warm-start step."""
+    sft_lr: float = 3e-3
+    """Peak learning rate of the warm start (cosine decay)."""
+    seed: int = 0
+    """Seed of the weights init and of the warm-start data."""
+
+
+class ModelConfig(_Base):
+    """The starting policy."""
+
+    path: str = "builtin:tiny-addition"
+    """A local Hugging Face model folder (with its tokenizer), or ``builtin:tiny-addition`` for the
+    tiny model built from ``tiny`` and cached under ``cache_dir``."""
+    tiny: TinyModelRecipe = Field(default_factory=TinyModelRecipe)
+    """Recipe of the built-in tiny model (used only when ``path`` is ``builtin:tiny-addition``)."""
+    cache_dir: str = ".cache/miles/models"
+    """Where built-in models are cached, one folder per recipe hash."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the policy in engine and trainer."""
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+class FileDataConfig(_Base):
+    """Prompts from a JSONL or Parquet file, read through fsspec (local path, file://, s3://, ...)."""
+
+    type: Literal["file"] = "file"
+    path: str
+    """The dataset file (``.jsonl`` / ``.json`` / ``.parquet``), e.g. ``datasets/gsm8k/train.jsonl``."""
+    input_key: str = "prompt"
+    """Row field holding the prompt text."""
+    label_key: str | None = "label"
+    """Row field holding the reference answer given to the reward (None: no label)."""
+    metadata_keys: list[str] = Field(default_factory=list)
+    """Extra row fields copied into each sample's metadata."""
+    apply_chat_template: bool = False
+    """Wrap the prompt as one user message and render it with the tokenizer's chat template."""
+    prompt_template: str = "{prompt}"
+    """Python format string applied to the prompt text before tokenizing (``{prompt}`` is the text)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options for the dataset's filesystem (endpoint, anon, ...)."""
+
+
+class ToyDataConfig(_Base):
+    """The synthetic addition task: ``"37+45="`` is answered ``"82"``; exact match scores 1."""
+
+    type: Literal["toy"] = "toy"
+    num_prompts: int = 4096
+    """Distinct training problems generated (deterministically from ``seed``)."""
+    max_operand: int = 99
+    """Operands are drawn from 0..max_operand."""
+    seed: int = 1
+    """Seed of the generated problems (held-out problems never overlap them)."""
+
+
+DataConfig = Annotated[Union[FileDataConfig, ToyDataConfig], Field(discriminator="type")]
+
+
+# -------------------------------------------------------------------------------------- rollout
+
+
+class RolloutConfig(_Base):
+    """What one rollout step generates and how it is scored."""
+
+    num_rollout: int = 60
+    """Rollout steps (and so training iterations) in the run."""
+    rollout_batch_size: int = 32
+    """Prompts per rollout step."""
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    rollout_max_response_len: int = 8
+    """Maximum new tokens per response; longer responses are truncated and marked so."""
+    rollout_temperature: float = 1.0
+    """Sampling temperature (0 means greedy)."""
+    rollout_top_p: float = 1.0
+    """Nucleus sampling mass."""
+    rollout_top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    rollout_stop: list[str] = Field(default_factory=list)
+    """Stop strings; generation of a response ends after one of them."""
+    rollout_stop_token_ids: list[int] = Field(default_factory=list)
+    """Stop token ids besides the tokenizer's end-of-sequence token."""
+    rollout_shuffle: bool = True
+    """Shuffle the prompt dataset each epoch (seeded by ``RunConfig.seed`` and the epoch)."""
+    reward: str = "toy"
+    """Reward function: a registered name (``toy``, ``math``, ``gsm8k``) or ``"module:function"``."""
+
+
+# --------------------------------------------------------------------------------------- engine
+
+
+class HFEngineConfig(_Base):
+    """In-process transformers engine (CPU default)."""
+
+    type: Literal["hf"] = "hf"
+    device: str = "cpu"
+    """torch device of the engine's model."""
+    max_batch_size: int = 256
+    """Sequences generated in one batched ``generate`` call."""
+    num_threads: int | None = None
+    """torch intra-op threads for this process (None: leave torch's default)."""
+
+
+EngineConfig = Annotated[Union[HFEngineConfig], Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------------------------------- train
+
+
+class TorchTrainerConfig(_Base):
+    """Plain torch trainer: one process, AdamW, gradient accumulation over micro-batches."""
+
+    type: Literal["torch"] = "torch"
+    device: str = "cpu"
+    """torch device of the trained model."""
+
+
+TrainerBackendConfig = Annotated[Union[TorchTrainerConfig], Field(discriminator="type")]
+
+
+class TrainConfig(_Base):
+    """Optimisation of the policy on each rollout batch."""
+
+    backend: TrainerBackendConfig = Field(default_factory=TorchTrainerConfig)
+    """Trainer implementation."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step (None: the whole rollout batch, one step per rollout)."""
+    micro_batch_size: int = 64
+    """Samples per forward/backward pass; gradients accumulate up to ``global_batch_size``."""
+    lr: float = 1e-3
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    clip_grad: float = 1.0
+    """Max global gradient norm (0: no clipping)."""
+    advantage_std_normalize: bool = True
+    """GRPO: divide group-centred rewards by the group's std (False is Dr.GRPO-style)."""
+    eps_clip: float = 0.2
+    """PPO clip range below 1 (ratio is clipped to [1 - eps_clip, 1 + eps_clip_high])."""
+    eps_clip_high: float | None = None
+    """PPO clip range above 1 (None: same as ``eps_clip``)."""
+    loss_reducer: Literal["token_mean", "seq_mean"] = "token_mean"
+    """How token losses become one number: mean over all tokens, or mean of per-sequence means."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference term in the loss (0: no reference model is kept)."""
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """Where the PPO ratio's denominator comes from: a forward pass of the trainer's weights before
+    the update, or the logprobs the rollout engine reported."""
+    seed: int = 0
+    """Seed of the trainer (shuffling of micro-batches, dropout)."""
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+# ----------------------------------------------------------------------------------------- eval
+
+
+class EvalConfig(_Base):
+    """Held-out evaluation of the policy."""
+
+    eval_interval: int | None = 20
+    """Evaluate every N training steps (None: only before and after training)."""
+    data: DataConfig | None = None
+    """Held-out prompts (None with toy data: toy problems disjoint from the training ones)."""
+    num_prompts: int = 256
+    """Held-out prompts evaluated (the first N)."""
+    n_samples_per_prompt: int = 1
+    """Responses per prompt (pass@k is reported for k up to this)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0: greedy)."""
+    max_response_len: int | None = None
+    """Max new tokens (None: same as rollout)."""
+    reward: str | None = None
+    """Reward function of evaluation (None: same as rollout)."""
+    skip_eval_before_train: bool = False
+    """Skip the evaluation of the starting policy."""
+
+
+# -------------------------------------------------------------------------------------- storage
+
+
+class StorageConfig(_Base):
+    """Where a run's data plane lives."""
+
+    root: str = "runs"
+    """Root URL of runs: a local folder, ``file://...``, ``memory://...`` or ``s3://bucket/prefix``."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """fsspec options of the root's filesystem. Never written into the run folder or logs."""
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+class RunConfig(_Base):
+    """A whole training run."""
+
+    name: str = "toy-addition"
+    """Run name; the run folder is ``<storage.root>/<name>/<run_id>``."""
+    run_id: str | None = None
+    """Run id (None: a fresh timestamped id)."""
+    mode: Literal["sync"] = "sync"
+    """Execution mode. ``sync``: rollout k, then train k, then push weights k."""
+    seed: int = 0
+    """Seed of prompt order and sampling."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=ToyDataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> RunConfig:
+        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        gbs = self.train.global_batch_size
+        if gbs is not None and samples % gbs:
+            raise ValueError(
+                f"train.global_batch_size={gbs} must divide the rollout batch "
+                f"(rollout_batch_size * n_samples_per_prompt = {samples} samples)"
+            )
+        if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
+            raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
+        return self
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        """Load a config file; errors name the file and the offending field."""
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
+        return cls.model_validate_file_dict(raw, source=str(path))
+
+    @classmethod
+    def model_validate_file_dict(cls, raw: dict[str, Any], source: str) -> RunConfig:
+        from pydantic import ValidationError
+
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ValueError(f"{source}: invalid run config:\n{e}") from None
+
+    def public_dict(self) -> dict[str, Any]:
+        """The config as JSON-able data, without secrets (storage options are dropped)."""
+        data = self.model_dump(mode="json")
+        data["storage"].pop("storage_options", None)
+        if data["data"].get("storage_options"):
+            data["data"]["storage_options"] = "<redacted>"
+        return data
