@@ -1,0 +1,71 @@
+"""The ``miles`` command: parses flags into a ``RunConfig`` (``miles_core.cli``) and runs a command.
+
+Heavy imports (prefect, torch) happen only inside the command that needs them, so ``miles --help``
+and ``miles show-config`` answer at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from miles_core.cli import build_parser, resolve_config
+
+
+def _quiet_defaults() -> None:
+    """No telemetry, no internet: Prefect's analytics off unless the user set otherwise."""
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "config-doc":
+        from miles_core.config_doc import config_markdown
+
+        print(config_markdown(), end="")
+        return 0
+    try:
+        cfg = resolve_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "show-config":
+        print(json.dumps(cfg.public_dict(), indent=2))
+        return 0
+    if args.command == "build-model":
+        from miles_core.models.tiny import ensure_model
+
+        print(ensure_model(cfg.model))
+        return 0
+    _quiet_defaults()
+    from flows.train import train
+
+    summary = train(cfg)
+    print(format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    fmt = lambda x: "  n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    delta = "" if before is None or after is None else f"  ({after - before:+.3f})"
+    return "\n".join([
+        "",
+        "  held-out accuracy            ",
+        "  ---------------------------  -----",
+        f"  starting policy              {fmt(before)}",
+        f"  after {summary['steps']:>3} GRPO steps        {fmt(after)}{delta}",
+        "",
+        f"  run folder  {summary['run_dir']}",
+        f"  metrics     {summary['metrics']}",
+        f"  evals       {summary['eval']}",
+        f"  samples     {summary['samples']}  (Arrow IPC segments)",
+        f"  weights     {summary['weights']}  (latest v{summary['final_version']})",
+        f"  wall time   {summary['seconds']} s",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The training flow: ``train(cfg)`` is one run.
+
+Sync mode, per step k: ``rollout-k`` (generate + reward, one segment appended to the run's sample
+stream) -> ``train-k`` (read that segment, optimizer step(s), publish weights version v) ->
+``push-weights-v`` (the engine loads v from the weight store). Held-out evaluation runs before
+training, every ``eval.eval_interval`` steps and after the last step. Per-step metrics go to
+``metrics.jsonl`` in the run folder and to Prefect artifacts (a progress bar during the run, a
+metrics table and a markdown summary at the end).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from miles_core.config import RunConfig
+from miles_core.run import close_session, get_session
+from tasks.train import evaluate, prepare_run, push_weights, rollout, train_step
+
+
+def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
+    return (
+        f"step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | acc {row['accuracy']:.3f}"
+        f" | loss {row['loss']:+.4f} | gen {row['rollout_tokens_per_s']:,.0f} tok/s"
+        f" | rollout {row['rollout_seconds']:.1f}s train {row['train_seconds']:.1f}s push {row['push_seconds']:.2f}s"
+        f" | step {row['step_seconds']:.1f}s"
+    )
+
+
+def _eval_line(label: str, ev: dict[str, float]) -> str:
+    return f"eval {label}: accuracy {ev['accuracy']:.3f} on {int(ev['num_prompts'])} held-out prompts (weights v{int(ev['weight_version'])})"
+
+
+def _due(cfg: RunConfig, step: int) -> bool:
+    interval = cfg.eval.eval_interval
+    last = step + 1 == cfg.rollout.num_rollout
+    return last or (interval is not None and (step + 1) % interval == 0)
+
+
+@flow(name="train", flow_run_name="{cfg.name}", validate_parameters=True)
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Train a policy with GRPO; returns the run summary (before/after accuracy, where things are)."""
+    log = get_run_logger()
+    t_start = time.perf_counter()
+    refs = prepare_run(cfg)
+    session = get_session(cfg, refs)
+    log.info("run %s: %s", refs.run_id, refs.run_dir)
+    total = cfg.rollout.num_rollout
+    progress = create_progress_artifact(0.0, key=None, description=f"{cfg.name}: steps done out of {total}")
+    before = None
+    try:
+        if not cfg.eval.skip_eval_before_train:
+            before = evaluate(cfg, refs, 0)
+            log.info(_eval_line("before training", before))
+        after = before
+        for step in range(total):
+            t0 = time.perf_counter()
+            r = rollout(cfg, refs, step)
+            t = train_step(cfg, refs, r)
+            push_s = push_weights(cfg, refs, t)
+            row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s}
+            row["step_seconds"] = time.perf_counter() - t0
+            if _due(cfg, step):
+                after = evaluate(cfg, refs, step + 1)
+                row["eval_accuracy"] = after["accuracy"]
+            session.record(step + 1, row)
+            log.info(_step_line(step, total, row))
+            if "eval_accuracy" in row:
+                log.info(_eval_line(f"after step {step + 1}", after))
+            update_progress_artifact(progress, 100.0 * (step + 1) / total)
+        summary = _summary(cfg, refs, session, before, after, time.perf_counter() - t_start)
+        session.write_summary(summary)
+        _publish_artifacts(cfg, summary, session)
+        return summary
+    finally:
+        close_session(refs)
+
+
+def _summary(cfg, refs, session, before, after, seconds) -> dict[str, Any]:
+    return {
+        "run_id": refs.run_id,
+        "run_dir": refs.run_dir,
+        "model_dir": refs.model_dir,
+        "steps": cfg.rollout.num_rollout,
+        "accuracy_before": before["accuracy"] if before else None,
+        "accuracy_after": after["accuracy"] if after else None,
+        "final_version": session.weights.latest(),
+        "metrics": session.layout.uri("metrics.jsonl"),
+        "eval": session.layout.uri("eval.jsonl"),
+        "samples": session.layout.uri("samples/rollout"),
+        "weights": session.layout.weights_dir,
+        "seconds": round(seconds, 1),
+    }
+
+
+def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None:
+    keys = ["step", "reward_mean", "accuracy", "loss", "kl", "grad_norm", "response_len_mean", "truncated_ratio",
+            "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s"]
+    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k in keys}
+             for row in session._metrics]
+    create_table_artifact(table, key=None, description=f"{cfg.name} per-step metrics")
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    md = "\n".join([
+        f"# Run `{summary['run_id']}` ({cfg.name})",
+        "",
+        "| held-out accuracy | value |", "|---|---|",
+        f"| before training | {fmt(before)} |", f"| after {summary['steps']} steps | {fmt(after)} |",
+        "",
+        f"- run folder: `{summary['run_dir']}`",
+        f"- metrics: `{summary['metrics']}`",
+        f"- samples: `{summary['samples']}`",
+        f"- weights: `{summary['weights']}` (latest version {summary['final_version']})",
+        f"- wall time: {summary['seconds']} s",
+    ])
+    create_markdown_artifact(md, key=None, description=f"{cfg.name} summary")

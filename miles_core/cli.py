@@ -1,0 +1,204 @@
+"""Command-line flags of the ``miles`` command (the command itself is ``deployments/cli.py``).
+
+``miles train --config configs/toy.toml --rollout-batch-size 16 ...`` builds a ``RunConfig`` from a
+TOML file (or the defaults), applies Miles-named flags on top, and runs the train flow.
+``miles show-config`` prints the resolved config; ``miles build-model`` builds or finds the
+built-in tiny model; ``miles config-doc`` prints the config reference (markdown).
+
+Flags map to config fields through ``FLAGS`` (flag -> dotted path); their help text is the field's
+docstring. ``--set a.b=value`` reaches any field without a flag. This module imports only the config
+(no torch, no prefect) until a command runs, so ``miles --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+
+from miles_core.config import FileDataConfig, RunConfig
+
+# flag -> dotted path in RunConfig. Names follow Miles where Miles has the flag.
+FLAGS: dict[str, str] = {
+    "--name": "name",
+    "--run-id": "run_id",
+    "--seed": "seed",
+    "--hf-checkpoint": "model.path",
+    "--prompt-data": "data.path",
+    "--input-key": "data.input_key",
+    "--label-key": "data.label_key",
+    "--apply-chat-template": "data.apply_chat_template",
+    "--num-rollout": "rollout.num_rollout",
+    "--rollout-batch-size": "rollout.rollout_batch_size",
+    "--n-samples-per-prompt": "rollout.n_samples_per_prompt",
+    "--rollout-max-response-len": "rollout.rollout_max_response_len",
+    "--rollout-temperature": "rollout.rollout_temperature",
+    "--rollout-top-p": "rollout.rollout_top_p",
+    "--rollout-top-k": "rollout.rollout_top_k",
+    "--rollout-stop": "rollout.rollout_stop",
+    "--rollout-stop-token-ids": "rollout.rollout_stop_token_ids",
+    "--rollout-shuffle": "rollout.rollout_shuffle",
+    "--rm-type": "rollout.reward",
+    "--custom-rm-path": "rollout.reward",
+    "--global-batch-size": "train.global_batch_size",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--lr": "train.lr",
+    "--weight-decay": "train.weight_decay",
+    "--adam-beta1": "train.adam_beta1",
+    "--adam-beta2": "train.adam_beta2",
+    "--clip-grad": "train.clip_grad",
+    "--eps-clip": "train.eps_clip",
+    "--eps-clip-high": "train.eps_clip_high",
+    "--kl-coef": "train.kl_coef",
+    "--kl-loss-type": "train.kl_type",
+    "--eval-interval": "eval.eval_interval",
+    "--eval-prompt-data": "eval.data.path",
+    "--n-samples-per-eval-prompt": "eval.n_samples_per_prompt",
+    "--eval-temperature": "eval.temperature",
+    "--eval-max-response-len": "eval.max_response_len",
+    "--eval-num-prompts": "eval.num_prompts",
+    "--skip-eval-before-train": "eval.skip_eval_before_train",
+    "--storage-root": "storage.root",
+}
+# Flags whose value maps to a fixed setting (Miles spellings of our options).
+SWITCHES: dict[str, tuple[str, Any]] = {
+    "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
+    "--disable-grpo-std-normalization": ("train.advantage_std_normalize", False),
+}
+KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
+_EVAL_INHERITS = ("input_key", "label_key", "apply_chat_template", "prompt_template", "metadata_keys")
+
+
+def _field(path: str):
+    """The pydantic FieldInfo at a dotted path; through a union, the member that has the next part."""
+    models: list[type[BaseModel]] = [RunConfig]
+    info = None
+    for part in path.split("."):
+        model = next(m for m in models if part in m.model_fields)
+        info = model.model_fields[part]
+        models = [m for m in _members(info.annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    return info
+
+
+def _members(tp) -> list:
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _members(typing.get_args(tp)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(tp) for m in _members(a)]
+    return [tp]
+
+
+def _unwrap(tp):
+    """Strip Optional / Annotated / single-member unions down to the base type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(tp)[0])
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else tp
+    return tp
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
+    info = _field(path)
+    tp = _unwrap(info.annotation)
+    help_text = (info.description or "").replace("%", "%%") + f" [{path}]"
+    optional = type(None) in typing.get_args(info.annotation)
+    if tp is bool:
+        parser.add_argument(flag, dest=path, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+    elif typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        parser.add_argument(flag, dest=path, nargs="*", type=item, default=argparse.SUPPRESS, help=help_text)
+    else:
+        conv = tp if tp in (int, float, str) else str
+        if optional and conv is not str:
+            conv = _optional(conv)
+        parser.add_argument(flag, dest=path, type=conv, default=argparse.SUPPRESS, help=help_text, metavar=path.split(".")[-1].upper())
+
+
+def _optional(conv):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null") else conv(text)
+
+    parse.__name__ = conv.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles", description="RL post-training of language models on Prefect.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    helps = {
+        "train": "run a training flow",
+        "show-config": "print the resolved run config as JSON (nothing runs)",
+        "build-model": "build (or find in the cache) the starting model and print its folder",
+        "config-doc": "print the config reference as markdown",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if name == "config-doc":
+            continue
+        p.add_argument("--config", help="TOML run config to start from (default: built-in defaults)")
+        p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                       help="set any config field by dotted path, e.g. --set train.lr=3e-4 (value parsed as JSON when it can be)")
+        for flag, path in FLAGS.items():
+            if flag == "--custom-rm-path":
+                continue
+            _add_flag(p, flag, path)
+        p.add_argument("--custom-rm-path", dest="rollout.reward", default=argparse.SUPPRESS, help="custom reward as module:function [rollout.reward]")
+        for flag, (path, value) in SWITCHES.items():
+            p.add_argument(flag, dest=f"switch:{path}", action="store_const", const=value, default=argparse.SUPPRESS, help=f"set {path}={value!r}")
+    return parser
+
+
+def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[leaf] = value
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    """Defaults <- TOML file <- flags <- --set, validated once at the end."""
+    data: dict[str, Any] = RunConfig.from_toml(args.config).model_dump() if args.config else {}
+    overrides = {k: v for k, v in vars(args).items() if "." in k or k in ("name", "run_id", "seed")}
+    for key, value in overrides.items():
+        if key.startswith("switch:"):
+            continue
+        if key == "train.kl_type":
+            value = KL_ALIASES.get(value, value)
+        if key == "data.path" and (data.get("data") or {}).get("type") != "file":
+            data["data"] = {"type": "file", "path": value}
+        if key == "eval.data.path" and ((data.get("eval") or {}).get("data") or {}).get("type") != "file":
+            # eval prompts read like the training prompts unless told otherwise
+            train_data = data.get("data") or {}
+            inherited = {k: v for k, v in train_data.items() if k in _EVAL_INHERITS}
+            data.setdefault("eval", {})["data"] = {**inherited, "type": "file", "path": value}
+        _set_path(data, key, value)
+    for key, value in vars(args).items():
+        if key.startswith("switch:"):
+            _set_path(data, key.removeprefix("switch:"), value)
+    for item in args.set:
+        path, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects PATH=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        _set_path(data, path.strip(), value)
+    _check_file_flags(data)
+    return RunConfig.model_validate_file_dict(data, source=args.config or "command line")
+
+
+def _check_file_flags(data: dict[str, Any]) -> None:
+    d = data.get("data") or {}
+    if d.get("type", "toy") != "file" and any(k in d for k in ("input_key", "label_key", "apply_chat_template")):
+        raise SystemExit("--input-key / --label-key / --apply-chat-template need a file dataset: add --prompt-data PATH")

@@ -1,0 +1,66 @@
+"""The config reference, generated from ``RunConfig``'s fields and their docstrings."""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+
+from miles_core.config import RunConfig
+
+
+def _type_name(tp) -> str:
+    text = repr(tp) if not isinstance(tp, type) else tp.__name__
+    return text.replace("typing.", "").replace("miles_core.config.", "")
+
+
+def _flags_by_path() -> dict[str, list[str]]:
+    from miles_core.cli import FLAGS, SWITCHES
+
+    out: dict[str, list[str]] = {}
+    for flag, path in FLAGS.items():
+        out.setdefault(path, []).append(f"`{flag}`")
+    for flag, (path, value) in SWITCHES.items():
+        out.setdefault(path, []).append(f"`{flag}` (= {value!r})")
+    return out
+
+
+def _section(model: type[BaseModel], prefix: str, flags: dict[str, list[str]], lines: list[str]) -> list[tuple]:
+    nested = []
+    title = prefix.rstrip(".") or "run"
+    lines += ["", f"### `{title}` ({model.__name__})", "", (model.__doc__ or "").strip().split("\n\n")[0], "",
+              "| field | type | default | flag | description |", "|---|---|---|---|---|"]
+    for name, info in model.model_fields.items():
+        path = prefix + name
+        members = [a for a in _args(info.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if members:
+            nested += [(m, path + (f"[type={m.model_fields['type'].default}]" if len(members) > 1 or 'type' in m.model_fields else "") + ".") for m in members]
+            default = "(section)"
+        else:
+            default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
+        desc = " ".join((info.description or "").split()).replace("|", "\\|")
+        lines.append(f"| `{path}` | `{_type_name(info.annotation)}` | {default} | {', '.join(flags.get(path, []))} | {desc} |")
+    return nested
+
+
+def _args(tp) -> list:
+    origin = typing.get_origin(tp)
+    if origin is None:
+        return [tp]
+    return [a for arg in typing.get_args(tp) for a in _args(arg)]
+
+
+def config_markdown() -> str:
+    """Markdown tables of every field, by section, with its flag and docstring."""
+    flags = _flags_by_path()
+    lines = ["## Config reference", "", "Generated from `RunConfig` by `miles config-doc`. A TOML file uses the same",
+             "sections (`[rollout]`, `[train]`, ...); tagged unions pick their member with `type = \"...\"`."]
+    queue = [(RunConfig, "")]
+    seen = set()
+    while queue:
+        model, prefix = queue.pop(0)
+        if (model, prefix) in seen:
+            continue
+        seen.add((model, prefix))
+        queue += _section(model, prefix, flags, lines)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,44 @@
+"""Evaluation metrics: pass@k (unbiased estimator) and the summary of an evaluated batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import comb
+
+from miles_core.rollout.generate import is_correct
+from miles_core.types import Group, SampleStatus
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is
+    correct: 1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def eval_metrics(groups: Sequence[Group], weight_version: int) -> dict[str, float]:
+    """Mean reward, accuracy (mean per-prompt share of correct samples), pass@k for k = 1, 2, 4, ...
+    up to the samples per prompt, response length, truncation ratio and the weight version."""
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        raise ValueError("eval_metrics: no samples to evaluate")
+    n = min(len(g.samples) for g in groups)
+    correct = [sum(is_correct(s) for s in g.samples[:n]) for g in groups]
+    rewards = [s.reward for s in samples if s.reward is not None]
+    out = {
+        "accuracy": sum(c / n for c in correct) / len(groups),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        "truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "failed_samples": float(sum(s.status == SampleStatus.FAILED for s in samples)),
+        "num_prompts": float(len(groups)),
+        "weight_version": float(weight_version),
+    }
+    k = 1
+    while k <= n:
+        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(groups)
+        k *= 2
+    return out

@@ -1,0 +1,120 @@
+"""Turn prompts into scored groups of samples.
+
+``generate_groups`` sends n requests per prompt to a ``RolloutEngine`` in one call, turns the
+results into ``Sample``s (status from the finish reason, logprobs and weight version kept), and
+``rollout_metrics`` summarises a rollout batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from miles_core.types import Group, Sample, SampleStatus
+
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+@dataclass
+class PromptItem:
+    """One prompt ready for the engine: rendered text, token ids, label, where it came from."""
+
+    text: str
+    prompt_ids: list[int]
+    label: str | None
+    prompt_index: int
+    metadata: dict[str, Any]
+
+
+def sampling_params(
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_token_ids),
+    )
+
+
+def _to_sample(item: PromptItem, result: GenerateResult, group_index: int, sample_index: int) -> Sample:
+    return Sample(
+        prompt=item.text,
+        prompt_ids=list(item.prompt_ids),
+        response_ids=list(result.output_ids),
+        response=result.text,
+        label=item.label,
+        loss_mask=[1] * len(result.output_ids),
+        rollout_logprobs=list(result.logprobs),
+        span_starts=[0],
+        span_versions=[result.weight_version],
+        status=_STATUS[result.finish_reason],
+        group_index=group_index,
+        sample_index=sample_index,
+        prompt_index=item.prompt_index,
+        metadata=dict(item.metadata),
+    )
+
+
+async def generate_groups(
+    engine: RolloutEngine,
+    items: Sequence[PromptItem],
+    n_samples: int,
+    sampling: SamplingParams,
+    first_group_index: int,
+    seed: int | None = None,
+) -> list[Group]:
+    """Generate ``n_samples`` responses for each prompt; group ``i`` gets index ``first_group_index + i``.
+
+    With ``seed`` set, request ``k`` of the batch samples with seed ``seed + k`` (reproducible runs)."""
+    requests = []
+    for i, item in enumerate(items):
+        for j in range(n_samples):
+            k = i * n_samples + j
+            params = sampling if seed is None else _with_seed(sampling, seed + k)
+            requests.append(GenerateRequest(item.prompt_ids, params, rid=f"g{first_group_index + i}-s{j}"))
+    results = await engine.generate(requests)
+    groups = []
+    for i, item in enumerate(items):
+        chunk = results[i * n_samples : (i + 1) * n_samples]
+        groups.append(Group([_to_sample(item, r, first_group_index + i, j) for j, r in enumerate(chunk)]))
+    return groups
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def is_correct(sample: Sample) -> bool:
+    """Verifiable rewards score 1 for a correct answer; accuracy counts those samples."""
+    return sample.reward is not None and sample.reward >= 1.0
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    scored = [s for s in samples if s.reward is not None]
+    n = max(len(samples), 1)
+    rewards = [s.reward for s in scored]
+    resp_lens = [len(s.response_ids) for s in samples]
+    uniform = sum(1 for g in groups if len({s.reward for s in g.samples}) <= 1)
+    return {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "accuracy": sum(is_correct(s) for s in scored) / len(scored) if scored else float("nan"),
+        "response_len_mean": sum(resp_lens) / n,
+        "truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / n,
+        "failed_samples": float(sum(s.status == SampleStatus.FAILED for s in samples)),
+        "aborted_samples": float(sum(s.status == SampleStatus.ABORTED for s in samples)),
+        "zero_signal_groups": float(uniform),
+        "response_tokens": float(sum(resp_lens)),
+    }

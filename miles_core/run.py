@@ -1,0 +1,279 @@
+"""One training run's work, step by step, without Prefect.
+
+- ``prepare_run(cfg) -> RunRefs``: builds or finds the starting model, creates the run folder and
+  writes the config (without secrets).
+- ``RunSession``: the process-local state of a run (tokenizer, engine on its own event-loop thread,
+  trainer, prompt source, sample stream, weight store). Sessions are kept per run folder by
+  ``get_session``; everything they hold can be rebuilt from the run folder and the config.
+- ``RunSession.rollout / train / push_weights / evaluate``: one step of each phase; each returns a
+  small, JSON-able reference (offsets, versions, URIs, metrics), never tensors or sample lists.
+
+Prefect tasks in ``tasks/`` call these methods; ``flows/train.py`` orders them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any
+
+from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
+from miles_core.rollout.generate import PromptItem, generate_groups, rollout_metrics, sampling_params
+
+
+@dataclass
+class RunRefs:
+    """Where a run lives: what every task needs besides the config."""
+
+    run_id: str
+    run_dir: str
+    model_dir: str
+
+
+@dataclass
+class RolloutRef:
+    step: int
+    offset: int
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainRef:
+    step: int
+    version: int
+    weights_uri: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_run(cfg: RunConfig, log=print) -> RunRefs:
+    from miles_core.models.tiny import ensure_model
+    from miles_core.storage.layout import RunLayout, new_run_id
+
+    model_dir = ensure_model(cfg.model, log=log)
+    run_id = cfg.run_id or new_run_id()
+    layout = RunLayout(cfg.storage.root, cfg.name, run_id, cfg.storage.storage_options)
+    layout.write_json("config.json", cfg.public_dict())
+    return RunRefs(run_id=run_id, run_dir=layout.run_dir, model_dir=str(model_dir))
+
+
+# ----------------------------------------------------------------------------------- prompts
+
+
+def _prompt_rows(data_cfg: FileDataConfig | ToyDataConfig, split: str, limit: int | None = None):
+    from miles_core.data.datasets import load_prompt_rows, rows_from_dicts
+
+    if isinstance(data_cfg, ToyDataConfig):
+        from miles_core.data.toy import toy_problems
+
+        dicts = toy_problems(data_cfg, split, limit)
+        return rows_from_dicts(dicts, "prompt", "label", f"toy:{split}")
+    rows = load_prompt_rows(data_cfg)
+    return rows[:limit] if limit is not None else rows
+
+
+def _render(rows, data_cfg, tokenizer) -> list[PromptItem]:
+    from miles_core.data.datasets import render_prompt
+
+    items = []
+    for row in rows:
+        text = row.prompt if isinstance(data_cfg, ToyDataConfig) else render_prompt(row, data_cfg, tokenizer)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        items.append(PromptItem(text, ids, row.label, row.index, dict(row.metadata)))
+    return items
+
+
+# ----------------------------------------------------------------------------------- session
+
+
+class RunSession:
+    """Process-local state of one run. Built lazily: a process that only trains never loads an engine."""
+
+    def __init__(self, cfg: RunConfig, refs: RunRefs) -> None:
+        from miles_core.storage.layout import RunLayout
+        from miles_core.storage.stream import SampleStream
+        from miles_core.storage.weights import WeightStore
+
+        self.cfg, self.refs = cfg, refs
+        opts = cfg.storage.storage_options
+        self.layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts)
+        self.stream = SampleStream(refs.run_dir, producer="rollout", storage_options=opts)
+        self.weights = WeightStore(self.layout.weights_dir, storage_options=opts)
+        self._loop = None
+        self._metrics: list[dict[str, Any]] = []
+        self._evals: list[dict[str, Any]] = []
+
+    # -- lazily built parts
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.refs.model_dir)
+
+    @cached_property
+    def engine(self):
+        from miles_core.engines import setup_engine
+        from miles_core.loop import LoopThread
+
+        self._loop = LoopThread("miles-engine")
+        engine = setup_engine(self.cfg.engine, self.refs.model_dir, self.cfg.model.dtype, self.cfg.seed)
+        latest = self.weights.latest()
+        if latest is not None:  # a rebuilt session resumes from the newest published weights
+            self._loop.run(engine.update_weights(self.weights.uri(latest), latest))
+        return engine
+
+    @cached_property
+    def trainer(self):
+        from miles_core.train import setup_trainer
+
+        return setup_trainer(self.cfg.train, self.refs.model_dir, self.weights, self.cfg.model.dtype)
+
+    @cached_property
+    def source(self):
+        from miles_core.data.source import DataSource
+
+        rows = _prompt_rows(self.cfg.data, "train")
+        return DataSource(rows, seed=self.cfg.seed, shuffle=self.cfg.rollout.rollout_shuffle)
+
+    @cached_property
+    def eval_items(self) -> list[PromptItem]:
+        ev = self.cfg.eval
+        data_cfg = ev.data if ev.data is not None else self.cfg.data
+        if ev.data is None and isinstance(data_cfg, FileDataConfig):
+            raise ValueError("eval.data is required when training on a file dataset (set --eval-prompt-data)")
+        return _render(_prompt_rows(data_cfg, "test", ev.num_prompts), data_cfg, self.tokenizer)
+
+    @cached_property
+    def reward_fn(self):
+        from miles_core.rewards import get_reward
+
+        return get_reward(self.cfg.rollout.reward)
+
+    @cached_property
+    def eval_reward_fn(self):
+        from miles_core.rewards import get_reward
+
+        return get_reward(self.cfg.eval.reward or self.cfg.rollout.reward)
+
+    def _run(self, coro):
+        self.engine  # noqa: B018 (builds the loop with the engine)
+        return self._loop.run(coro)
+
+    # -- phases
+
+    def rollout(self, step: int) -> RolloutRef:
+        """Sample a batch of prompts, generate n responses each, score them, append one segment."""
+        from miles_core.rewards import score_groups
+
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        rows = self.source.next_batch(r.rollout_batch_size)
+        items = _render(rows, self.cfg.data, self.tokenizer)
+        params = sampling_params(
+            r.rollout_max_response_len, r.rollout_temperature, r.rollout_top_p, r.rollout_top_k,
+            r.rollout_stop, r.rollout_stop_token_ids,
+        )
+        seed = self.cfg.seed * 1_000_003 + step * 10_007
+        groups = self._run(
+            generate_groups(self.engine, items, r.n_samples_per_prompt, params, step * r.rollout_batch_size, seed)
+        )
+        t_gen = time.perf_counter() - t0
+        stats = self._run(score_groups(self.reward_fn, groups))
+        offset = self.stream.append([s for g in groups for s in g.samples])
+        self.layout.write_json("state/data_source.json", self.source.state())
+        metrics = rollout_metrics(groups)
+        metrics.update(
+            rollout_seconds=time.perf_counter() - t0,
+            rollout_tokens_per_s=metrics["response_tokens"] / max(t_gen, 1e-9),
+            reward_failed=float(stats.failed),
+        )
+        return RolloutRef(step=step, offset=offset, num_samples=self.cfg.samples_per_rollout, metrics=metrics)
+
+    def train(self, rollout: RolloutRef) -> TrainRef:
+        """Read the rollout's segment, compute GRPO advantages, step the trainer, publish weights."""
+        from miles_core.train.advantages import sample_advantages
+        from miles_core.train.base import TrainBatch
+        from miles_core.types import regroup
+
+        t0 = time.perf_counter()
+        reader = self.stream.reader("trainer")
+        segment = self.stream.read_segment(rollout.offset)
+        samples = segment.samples()
+        groups = regroup(samples)
+        advantages = sample_advantages(groups, normalize_std=self.cfg.train.advantage_std_normalize)
+        batch = TrainBatch(
+            samples=[s for g in groups for s in g.samples],
+            advantages=advantages,
+            temperature=self.cfg.rollout.rollout_temperature,
+        )
+        metrics = self.trainer.step(batch)
+        version = self.trainer.version
+        uri = self.trainer.export(version)
+        reader.commit(rollout.offset)
+        seconds = time.perf_counter() - t0
+        metrics.update(train_seconds=seconds, train_tokens_per_s=metrics.get("train_tokens", 0.0) / max(seconds, 1e-9))
+        return TrainRef(step=rollout.step, version=version, weights_uri=uri, metrics=metrics)
+
+    def push_weights(self, uri: str, version: int) -> float:
+        t0 = time.perf_counter()
+        self._run(self.engine.update_weights(uri, version))
+        return time.perf_counter() - t0
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the engine's current weights on the held-out prompts (all of them in one call)."""
+        from miles_core.eval.metrics import eval_metrics
+        from miles_core.rewards import score_groups
+
+        ev = self.cfg.eval
+        t0 = time.perf_counter()
+        params = sampling_params(ev.max_response_len or self.cfg.rollout.rollout_max_response_len, ev.temperature,
+                                 stop=self.cfg.rollout.rollout_stop,
+                                 stop_token_ids=self.cfg.rollout.rollout_stop_token_ids)
+        groups = self._run(
+            generate_groups(self.engine, self.eval_items, ev.n_samples_per_prompt, params, 0, seed=self.cfg.seed)
+        )
+        self._run(score_groups(self.eval_reward_fn, groups))
+        metrics = eval_metrics(groups, self.engine.weight_version)
+        metrics.update(step=float(step), eval_seconds=time.perf_counter() - t0)
+        self._evals.append(metrics)
+        self.layout.write_jsonl("eval.jsonl", self._evals)
+        return metrics
+
+    def record(self, step: int, row: dict[str, Any]) -> None:
+        """Append one step's metrics to ``metrics.jsonl`` in the run folder."""
+        self._metrics.append({"step": step, **row})
+        self.layout.write_jsonl("metrics.jsonl", self._metrics)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self.layout.write_json("summary.json", summary)
+
+    def close(self) -> None:
+        if "engine" in self.__dict__:
+            self._loop.run(self.engine.close())
+            self._loop.close()
+
+
+_SESSIONS: dict[str, RunSession] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def get_session(cfg: RunConfig, refs: RunRefs) -> RunSession:
+    with _SESSIONS_LOCK:
+        if refs.run_dir not in _SESSIONS:
+            _SESSIONS[refs.run_dir] = RunSession(cfg, refs)
+        return _SESSIONS[refs.run_dir]
+
+
+def close_session(refs: RunRefs) -> None:
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.pop(refs.run_dir, None)
+    if session is not None:
+        session.close()
+
+
+def to_dict(ref) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(ref)))

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (once) and run the test suite: unit and integration tiers (GPU tests skip without a GPU).
+# Extra arguments go to pytest, e.g. scripts/test.sh -m "not integration"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect-test-home}"
+# pytest exits 5 when it collected no tests: that is a failure here, like any other non-zero code.
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,36 @@
+"""Prefect tasks of a training run. Each is a few lines over ``miles_core.run`` and returns a
+small reference (offsets, versions, URIs, metrics), never tensors or samples."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from miles_core.config import RunConfig
+from miles_core.run import RolloutRef, RunRefs, TrainRef, get_session
+from miles_core.run import prepare_run as _prepare_run
+
+
+@task(name="prepare-run", cache_policy=NO_CACHE)
+def prepare_run(cfg: RunConfig) -> RunRefs:
+    return _prepare_run(cfg, log=get_run_logger().info)
+
+
+@task(name="rollout", cache_policy=NO_CACHE, task_run_name="rollout-{step}")
+def rollout(cfg: RunConfig, refs: RunRefs, step: int) -> RolloutRef:
+    return get_session(cfg, refs).rollout(step)
+
+
+@task(name="train", cache_policy=NO_CACHE, task_run_name="train-{rollout_ref.step}")
+def train_step(cfg: RunConfig, refs: RunRefs, rollout_ref: RolloutRef) -> TrainRef:
+    return get_session(cfg, refs).train(rollout_ref)
+
+
+@task(name="push-weights", cache_policy=NO_CACHE, task_run_name="push-weights-v{train_ref.version}")
+def push_weights(cfg: RunConfig, refs: RunRefs, train_ref: TrainRef) -> float:
+    return get_session(cfg, refs).push_weights(train_ref.weights_uri, train_ref.version)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
+def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
+    return get_session(cfg, refs).evaluate(step)
