@@ -88,10 +88,10 @@ def _summary(cfg, refs, session, before, after, seconds) -> dict[str, Any]:
         "accuracy_before": before["accuracy"] if before else None,
         "accuracy_after": after["accuracy"] if after else None,
         "final_version": session.weights.latest(),
-        "metrics": session.layout.uri("metrics.jsonl"),
-        "eval": session.layout.uri("eval.jsonl"),
-        "samples": session.layout.uri("samples/rollout"),
-        "weights": session.layout.weights_dir,
+        "metrics": session.layout.metrics,
+        "eval": session.layout.eval,
+        "samples": session.layout.samples(),
+        "weights": session.layout.weights,
         "seconds": round(seconds, 1),
     }
 
@@ -100,7 +100,7 @@ def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None
     keys = ["step", "reward_mean", "accuracy", "loss", "kl", "grad_norm", "response_len_mean", "truncated_ratio",
             "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s"]
     table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k in keys}
-             for row in session._metrics]
+             for row in session.metrics_rows]
     create_table_artifact(table, key=None, description=f"{cfg.name} per-step metrics")
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731

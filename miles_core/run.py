@@ -101,7 +101,7 @@ class RunSession:
         opts = cfg.storage.storage_options
         self.layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts)
         self.stream = SampleStream(refs.run_dir, producer="rollout", storage_options=opts)
-        self.weights = WeightStore(self.layout.weights_dir, storage_options=opts)
+        self.weights = WeightStore(self.layout.weights, storage_options=opts)
         self._loop = None
         self._metrics: list[dict[str, Any]] = []
         self._evals: list[dict[str, Any]] = []
@@ -195,24 +195,21 @@ class RunSession:
 
     def train(self, rollout: RolloutRef) -> TrainRef:
         """Read the rollout's segment, compute GRPO advantages, step the trainer, publish weights."""
-        from miles_core.train.advantages import sample_advantages
         from miles_core.train.base import TrainBatch
         from miles_core.types import regroup
 
         t0 = time.perf_counter()
         reader = self.stream.reader("trainer")
-        segment = self.stream.read_segment(rollout.offset)
-        samples = segment.samples()
-        groups = regroup(samples)
-        advantages = sample_advantages(groups, normalize_std=self.cfg.train.advantage_std_normalize)
-        batch = TrainBatch(
-            samples=[s for g in groups for s in g.samples],
-            advantages=advantages,
-            temperature=self.cfg.rollout.rollout_temperature,
+        groups = regroup(self.stream.read_segment(rollout.offset).samples())
+        batch = TrainBatch.from_groups(
+            groups, self.cfg.rollout.rollout_temperature, normalize_std=self.cfg.train.advantage_std_normalize
         )
         metrics = self.trainer.step(batch)
         version = self.trainer.version
-        uri = self.trainer.export(version)
+        if metrics["num_optimizer_steps"] > 0:
+            uri = self.trainer.export(version)
+        else:  # nothing trainable in this batch (e.g. every sample failed): the engine keeps its weights
+            uri = self.weights.uri(version) if version > 0 else self.refs.model_dir
         reader.commit(rollout.offset)
         seconds = time.perf_counter() - t0
         metrics.update(train_seconds=seconds, train_tokens_per_s=metrics.get("train_tokens", 0.0) / max(seconds, 1e-9))
@@ -220,7 +217,8 @@ class RunSession:
 
     def push_weights(self, uri: str, version: int) -> float:
         t0 = time.perf_counter()
-        self._run(self.engine.update_weights(uri, version))
+        if version != self.engine.weight_version:
+            self._run(self.engine.update_weights(uri, version))
         return time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -247,6 +245,10 @@ class RunSession:
         """Append one step's metrics to ``metrics.jsonl`` in the run folder."""
         self._metrics.append({"step": step, **row})
         self.layout.write_jsonl("metrics.jsonl", self._metrics)
+
+    @property
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        return list(self._metrics)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.layout.write_json("summary.json", summary)

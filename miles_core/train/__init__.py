@@ -1,0 +1,32 @@
+"""Training: advantage and loss math, the Trainer protocol, and its implementations.
+
+- ``advantages``: GRPO group advantages (pure functions; failed samples get 0).
+- ``losses``: PPO clip loss, KL estimators, token logprobs, entropy, reducers (pure functions).
+- ``base``: ``TrainBatch`` and the ``Trainer`` protocol.
+- ``batch``: samples -> right-padded tensors aligned for next-token prediction.
+- ``torch_trainer``: ``TorchTrainer`` (one process, AdamW, gradient accumulation).
+- ``setup_trainer(train_cfg, model_dir, weight_store, dtype)``: the trainer ``train_cfg.backend`` names.
+
+Importing this package does not import torch; the backends are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles_core.config import TrainConfig
+    from miles_core.train.base import Trainer
+
+# backend ``type`` -> "module:class", imported on first use
+_BACKENDS = {"torch": "miles_core.train.torch_trainer:TorchTrainer"}
+
+
+def setup_trainer(
+    train_cfg: TrainConfig, model_dir: str, weight_store: Any, dtype: str = "float32", **kwargs: Any
+) -> Trainer:
+    """Build the trainer named by ``train_cfg.backend.type``; ``kwargs`` go to its constructor."""
+    module_name, class_name = _BACKENDS[train_cfg.backend.type].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(model_dir, train_cfg, weight_store, dtype=dtype, **kwargs)

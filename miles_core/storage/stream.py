@@ -1,0 +1,296 @@
+"""SampleStream: an append-only queue of sample batches on object storage.
+
+Parts:
+- ``SampleStream``: one producer's stream in a run folder. ``append`` writes one Arrow IPC stream
+  file (zstd) per batch at ``samples/<producer>/<offset:012d>.arrow``; ``close`` writes ``_END``.
+- ``StreamReader``: one named consumer with a durable cursor at ``cursors/<producer>/<name>.json``.
+  ``read`` returns the next whole segments in order; ``commit(offset)`` persists progress, and a
+  new reader of the same name (after a restart) resumes from the last commit.
+- ``Segment``: one decoded segment (``offset``, ``uri``, ``table``, ``samples()``).
+
+Visibility: a segment appears under its final name only when whole (``atomic_write``), and
+readers consider only names that match ``<12 digits>.arrow`` exactly, so temp files and other
+stray objects are ignored. There is one writer per producer prefix: the producer counts offsets
+in memory, starting after the highest segment present when it first appends.
+
+Segments are plain Arrow: ``pyarrow.ipc.open_stream`` (or DuckDB, Polars) reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles_core.storage.fs import atomic_write, join, list_names, open_fs, read_bytes, to_url
+from miles_core.storage.layout import check_name, cursor_file, samples_dir
+from miles_core.types import SCHEMA_VERSION, Group, Sample, arrow_schema, flatten, samples_to_table, table_to_samples
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+SEGMENT_NAME = re.compile(r"^(\d{12})\.arrow$")
+END_MARKER = "_END"
+VERSION_KEY = b"miles.schema_version"
+ZSTD_LEVEL = 1  # as small as tuned Parquet and several times cheaper to encode (see KNOWLEDGE.md)
+# An Arrow IPC stream ends with this marker (continuation token, then a zero length). Without it a
+# stream cut at a batch boundary would decode "successfully" with rows missing.
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def segment_name(offset: int) -> str:
+    return f"{offset:012d}.arrow"
+
+
+@dataclass
+class Segment:
+    """One whole segment of a stream."""
+
+    offset: int
+    uri: str
+    table: pa.Table
+
+    def samples(self) -> list[Sample]:
+        try:
+            return table_to_samples(self.table)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"cannot turn sample segment {self.uri} into samples: {e}") from e
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+
+class SampleStream:
+    """The stream of sample batches that ``producer`` writes into a run folder."""
+
+    def __init__(self, run_dir_url: str, producer: str = "rollout", storage_options: dict[str, Any] | None = None):
+        self.fs, self.run_dir = open_fs(run_dir_url, storage_options)
+        self.producer = check_name("producer", producer)
+        self.path = join(self.run_dir, samples_dir(producer))
+        self._next_offset: int | None = None  # producer side, set on first append
+        self._end: int | None = None  # last offset once _END has been seen (it never changes)
+
+    @property
+    def uri(self) -> str:
+        return to_url(self.fs, self.path)
+
+    def segment_uri(self, offset: int) -> str:
+        return to_url(self.fs, join(self.path, segment_name(offset)))
+
+    def __repr__(self) -> str:
+        return f"SampleStream({self.uri!r})"
+
+    # ------------------------------------------------------------------------------ producer
+
+    def append(self, samples: list[Sample] | list[Group] | pa.Table) -> int:
+        """Write one segment; returns its offset. The segment becomes visible only when whole."""
+        table = _as_table(samples)
+        offset = self._claim_offset()
+        atomic_write(self.fs, join(self.path, segment_name(offset)), _encode(table))
+        self._next_offset = offset + 1
+        return offset
+
+    def close(self) -> int:
+        """Mark the end of the stream; returns the last offset (-1 for an empty stream).
+
+        Idempotent. Appending after ``close`` raises."""
+        end = self.end_offset()
+        if end is not None:
+            return end
+        last = self._claim_offset() - 1
+        atomic_write(self.fs, join(self.path, END_MARKER), json.dumps({"last_offset": last}).encode())
+        self._end = last
+        return last
+
+    def _claim_offset(self) -> int:
+        # _END is looked up once per producer object; after that this object knows if it closed.
+        closed = self._end is not None if self._next_offset is not None else self.end_offset() is not None
+        if closed:
+            raise RuntimeError(f"sample stream {self.uri} is closed ({END_MARKER} exists); cannot append")
+        if self._next_offset is None:
+            existing = self.offsets()
+            self._next_offset = existing[-1] + 1 if existing else 0
+        return self._next_offset
+
+    # ------------------------------------------------------------------------------- readers
+
+    def offsets(self, after: int = -1) -> list[int]:
+        """Offsets of the whole segments after ``after``, ascending.
+
+        Lists the producer prefix and filters by name. Fine for local and memory storage; on S3
+        this becomes a ``list_objects_v2(StartAfter=<name of after>)`` call (a later issue), which
+        is why listing is this one method."""
+        found = []
+        for name in list_names(self.fs, self.path):
+            m = SEGMENT_NAME.match(name)
+            if m and int(m.group(1)) > after:
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def read(self, after: int = -1, max_segments: int | None = None) -> list[Segment]:
+        """The whole segments after offset ``after``, in order (at most ``max_segments``)."""
+        if max_segments is not None and max_segments < 1:
+            raise ValueError(f"max_segments must be None or >= 1, got {max_segments}")
+        offsets = self.offsets(after)
+        if max_segments is not None:
+            offsets = offsets[:max_segments]
+        return [self.read_segment(o) for o in offsets]
+
+    def read_segment(self, offset: int) -> Segment:
+        """The segment at ``offset``; FileNotFoundError if there is none, ValueError if it is bad."""
+        uri = self.segment_uri(offset)
+        data = read_bytes(self.fs, join(self.path, segment_name(offset)))
+        if data is None:
+            raise FileNotFoundError(f"no sample segment at offset {offset}: {uri} does not exist")
+        return Segment(offset=offset, uri=uri, table=_decode(data, uri))
+
+    def end_offset(self) -> int | None:
+        """The last offset if the stream is closed, else None."""
+        if self._end is None:
+            path = join(self.path, END_MARKER)
+            data = read_bytes(self.fs, path)
+            if data is not None:
+                self._end = _parse_json_field(data, "last_offset", to_url(self.fs, path))
+        return self._end
+
+    def reader(self, name: str) -> StreamReader:
+        """A consumer named ``name``, resuming from its last committed cursor."""
+        return StreamReader(self, name)
+
+
+class StreamReader:
+    """One named consumer of a ``SampleStream`` with a durable cursor.
+
+    ``position`` is the last offset ``read`` returned (in memory); ``cursor`` is the last offset
+    committed (durable). A new reader of the same name starts at the committed cursor, so
+    segments read but not committed before a crash are read again (at-least-once)."""
+
+    def __init__(self, stream: SampleStream, name: str):
+        self.stream = stream
+        self.name = check_name("reader", name)
+        self._cursor_path = join(stream.run_dir, cursor_file(stream.producer, name))
+        self._cursor = self._load_cursor()
+        self.position = self._cursor
+
+    @property
+    def cursor(self) -> int:
+        """Last committed offset (-1: nothing committed yet)."""
+        return self._cursor
+
+    @property
+    def cursor_uri(self) -> str:
+        return to_url(self.stream.fs, self._cursor_path)
+
+    def read(self, max_segments: int | None = None) -> list[Segment]:
+        """The next whole segments after ``position``, in order. Does not commit."""
+        segments = self.stream.read(after=self.position, max_segments=max_segments)
+        if segments:
+            self.position = segments[-1].offset
+        return segments
+
+    def commit(self, offset: int) -> None:
+        """Persist ``offset`` as this reader's cursor (atomically). Committing a lower offset
+        rewinds the durable cursor, not ``position``."""
+        if not isinstance(offset, int) or offset < -1:
+            raise ValueError(f"reader {self.name!r}: cursor offset must be an int >= -1, got {offset!r}")
+        payload = {"reader": self.name, "producer": self.stream.producer, "offset": offset}
+        atomic_write(self.stream.fs, self._cursor_path, json.dumps(payload).encode())
+        self._cursor = offset
+        self.position = max(self.position, offset)
+
+    @property
+    def finished(self) -> bool:
+        """True when the stream is closed and this reader has read its last segment."""
+        end = self.stream.end_offset()
+        return end is not None and self.position >= end
+
+    def wait(self, timeout: float, poll: float = 0.05, max_segments: int | None = None) -> list[Segment]:
+        """``read`` until it returns something, the stream is finished, or ``timeout`` seconds pass
+        (then returns an empty list)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            segments = self.read(max_segments)
+            if segments or self.finished or time.monotonic() >= deadline:
+                return segments
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+    def _load_cursor(self) -> int:
+        data = read_bytes(self.stream.fs, self._cursor_path)
+        if data is None:
+            return -1
+        return _parse_json_field(data, "offset", self.cursor_uri)
+
+    def __repr__(self) -> str:
+        return f"StreamReader({self.name!r}, stream={self.stream.uri!r}, cursor={self._cursor})"
+
+
+# ------------------------------------------------------------------------------------- encoding
+
+
+def _as_table(samples: list[Sample] | list[Group] | pa.Table) -> pa.Table:
+    import pyarrow as pa
+
+    if isinstance(samples, pa.Table):
+        _check_table_schema(samples)
+        return samples
+    if not samples:
+        raise ValueError("append() got no samples; a segment holds at least one")
+    if all(isinstance(s, Group) for s in samples):
+        samples = flatten(samples)
+    bad = [type(s).__name__ for s in samples if not isinstance(s, Sample)]
+    if bad:
+        raise TypeError(f"append() takes Samples, Groups or a pyarrow.Table; got {sorted(set(bad))}")
+    return samples_to_table(samples)
+
+
+def _check_table_schema(table: pa.Table) -> None:
+    expected = arrow_schema()
+    version = (table.schema.metadata or {}).get(VERSION_KEY, b"<missing>").decode()
+    if version != str(SCHEMA_VERSION):
+        raise ValueError(f"sample table has schema version {version!r}; this code writes {SCHEMA_VERSION}")
+    if not table.schema.equals(expected, check_metadata=False):
+        raise ValueError(
+            "sample table's columns differ from miles_core.types.arrow_schema():\n"
+            f"got:\n{table.schema.remove_metadata()}\nexpected:\n{expected.remove_metadata()}"
+        )
+    if table.num_rows == 0:
+        raise ValueError("append() got an empty table; a segment holds at least one sample")
+
+
+def _encode(table: pa.Table) -> bytes:
+    import pyarrow as pa
+
+    options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=ZSTD_LEVEL))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _decode(data: bytes, uri: str) -> pa.Table:
+    import pyarrow as pa
+
+    if not data.endswith(_IPC_EOS):
+        raise ValueError(f"sample segment {uri} is truncated ({len(data)} bytes, no Arrow end-of-stream marker)")
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"cannot decode sample segment {uri} ({len(data)} bytes): {e}") from e
+    version = (table.schema.metadata or {}).get(VERSION_KEY, b"<missing>").decode()
+    if version != str(SCHEMA_VERSION):
+        raise ValueError(
+            f"sample segment {uri} has schema version {version!r}; this code reads {SCHEMA_VERSION}"
+        )
+    return table
+
+
+def _parse_json_field(data: bytes, key: str, uri: str) -> int:
+    try:
+        value = json.loads(data)[key]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{uri} is not valid JSON with an integer {key!r}: {e!r}") from e
+    if not isinstance(value, int):
+        raise ValueError(f"{uri}: {key!r} must be an integer, got {value!r}")
+    return value

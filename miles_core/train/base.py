@@ -1,0 +1,66 @@
+"""The Trainer protocol and the batch it trains on.
+
+- ``TrainBatch``: the samples of one training step, one advantage per sample, and the rollout
+  temperature (the trainer computes logprobs of ``logits / temperature``, as the engine did).
+- ``Trainer``: ``step(batch) -> metrics``; ``export(version) -> uri`` publishes the policy weights
+  to the run's WeightStore; ``state_dict()`` / ``load_state_dict()`` are the full training state
+  (weights, optimizer, version, RNG); ``save(uri)`` / ``load(uri)`` write and read it over fsspec.
+
+Version v is the policy after v optimizer steps (the same numbering as the WeightStore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from miles_core.types import Group, Sample, flatten
+
+
+@dataclass
+class TrainBatch:
+    samples: list[Sample]
+    advantages: list[float]
+    """One advantage per sample (broadcast over its response tokens)."""
+    temperature: float = 1.0
+    """Rollout temperature the samples were drawn at (0 or less: logprobs of the raw logits)."""
+
+    def __post_init__(self) -> None:
+        if len(self.samples) != len(self.advantages):
+            raise ValueError(
+                f"TrainBatch has {len(self.samples)} samples but {len(self.advantages)} advantages"
+            )
+
+    @classmethod
+    def from_groups(
+        cls, groups: Sequence[Group], temperature: float, normalize_std: bool = True
+    ) -> TrainBatch:
+        """GRPO advantages of ``groups``; samples with reward None get advantage 0 (and train nothing)."""
+        from miles_core.train.advantages import sample_advantages
+
+        return cls(flatten(list(groups)), sample_advantages(groups, normalize_std), temperature)
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken so far (plus the version the trainer started at)."""
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """Train on ``batch`` (one or more optimizer steps); return metrics averaged over them."""
+
+    def export(self, version: int) -> str:
+        """Publish the current policy weights as ``version``; return the snapshot's URI."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: weights, optimizer state, version, RNG states."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save(self, uri: str) -> None:
+        """Write ``state_dict()`` to ``uri`` (any fsspec URL)."""
+
+    def load(self, uri: str) -> None:
+        """Restore the state written by ``save(uri)``."""

@@ -1,0 +1,238 @@
+"""Advantage and loss math on hand-computed numbers (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles_core.train.advantages import grpo_advantages, sample_advantages
+from miles_core.train.losses import (
+    entropy_from_logits,
+    kl_penalty,
+    ppo_clip_loss,
+    reduce_tokens,
+    reducer_denominator,
+    token_logprobs,
+)
+from miles_core.types import Group, Sample
+
+torch.set_num_threads(1)
+E = math.e
+approx = pytest.approx
+
+
+# ------------------------------------------------------------------------------------ advantages
+
+
+def test_grpo_advantages_with_std_by_hand():
+    # group 0: [1, 0, 0]: mean 1/3, deviations [2/3, -1/3, -1/3],
+    #   population var = (4/9 + 1/9 + 1/9) / 3 = 2/9, std = sqrt(2)/3
+    #   A = [(2/3) / (sqrt(2)/3), ...] = [2/sqrt(2), -1/sqrt(2), -1/sqrt(2)] = [1.41421, -0.70711, -0.70711]
+    # group 1: [2, 4, 6]: mean 4, deviations [-2, 0, 2], population var = 8/3, std = 1.63299
+    #   A = [-2/1.63299, 0, 2/1.63299] = [-1.22474, 0, 1.22474]
+    #   (the unbiased std, 2, would give [-1, 0, 1]: the population std is the documented choice)
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [2.0, 4.0, 6.0]])
+    adv = grpo_advantages(rewards)
+    expected = torch.tensor([[1.41421, -0.70711, -0.70711], [-1.22474, 0.0, 1.22474]])
+    torch.testing.assert_close(adv, expected, atol=2e-5, rtol=0)
+    # the list form gives the same numbers
+    assert grpo_advantages(rewards.tolist()) == [approx(r, abs=2e-5) for r in expected.tolist()]
+
+
+def test_grpo_advantages_without_std_by_hand():
+    # only centred: [1, 0, 0] - 1/3 = [2/3, -1/3, -1/3]; [2, 4, 6] - 4 = [-2, 0, 2]
+    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0], [2.0, 4.0, 6.0]]), normalize_std=False)
+    torch.testing.assert_close(adv, torch.tensor([[2 / 3, -1 / 3, -1 / 3], [-2.0, 0.0, 2.0]]))
+
+
+def test_all_equal_group_gives_zero_advantages():
+    # deviations are all 0, and 0 / (0 + eps) = 0 exactly
+    assert grpo_advantages(torch.tensor([[0.7, 0.7, 0.7]])).tolist() == [[0.0, 0.0, 0.0]]
+    assert grpo_advantages([[1.0, 1.0]]) == [[0.0, 0.0]]
+    assert grpo_advantages([[1.0, 1.0]], normalize_std=False) == [[0.0, 0.0]]
+
+
+def test_none_rewards_are_left_out_and_get_zero():
+    # scored rewards [1, 0]: mean 0.5, population std 0.5 -> A = [0.5/0.5, -, -0.5/0.5] = [1, 0, -1]
+    assert grpo_advantages([[1.0, None, 0.0]]) == [[approx(1.0, abs=1e-5), 0.0, approx(-1.0, abs=1e-5)]]
+    # without std: [1 - 0.5, 0, 0 - 0.5]
+    assert grpo_advantages([[1.0, None, 0.0]], normalize_std=False) == [[0.5, 0.0, -0.5]]
+    # nothing scored, or a single scored sample (std 0): all zeros, never NaN
+    assert grpo_advantages([[None, None], [1.0, None]]) == [[0.0, 0.0], [0.0, 0.0]]
+    # ragged groups are fine in the list form
+    assert grpo_advantages([[1.0, 0.0], [3.0]], normalize_std=False) == [[0.5, -0.5], [0.0]]
+
+
+def test_sample_advantages_flatten_groups_in_order():
+    def group(index, rewards):
+        return Group([Sample("p", [2], reward=r, group_index=index, sample_index=i) for i, r in enumerate(rewards)])
+
+    # group 0: [1, 0] -> [0.5, -0.5]; group 1: [None, 2, 4] -> mean 3 -> [0, -1, 1]
+    adv = sample_advantages([group(0, [1.0, 0.0]), group(1, [None, 2.0, 4.0])], normalize_std=False)
+    assert adv == [0.5, -0.5, 0.0, -1.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------- logprobs
+
+
+def test_token_logprobs_and_temperature_by_hand():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    label = torch.tensor([[1]])
+    # softmax([0, ln 3]) = [1/4, 3/4] -> log(3/4) = -0.287682
+    assert token_logprobs(logits, label, 1.0).item() == approx(math.log(0.75), abs=1e-6)
+    # T = 2: logits / 2 = [0, ln(3)/2] -> p = sqrt(3) / (1 + sqrt(3)) = 0.633975 -> log = -0.455696
+    assert token_logprobs(logits, label, 2.0).item() == approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
+    # T = 0 (greedy) means the raw logits, as the engines report
+    assert token_logprobs(logits, label, 0.0).item() == approx(math.log(0.75), abs=1e-6)
+
+
+def test_entropy_by_hand():
+    # uniform over 2: ln 2 = 0.693147; p = [1/4, 3/4]: 0.25 ln 4 + 0.75 ln(4/3) = 0.346574 + 0.215762 = 0.562335
+    h = entropy_from_logits(torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)]]))
+    torch.testing.assert_close(h, torch.tensor([0.693147, 0.562335]), atol=1e-6, rtol=0)
+
+
+# -------------------------------------------------------------------------------------- reducers
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_token_mean_on_ragged_mask_by_hand():
+    # masked tokens 1, 2 | 4 | (none): (1 + 2 + 4) / 3 = 7/3
+    assert reduce_tokens(VALUES, MASK, "token_mean").item() == approx(7 / 3)
+    assert reducer_denominator(MASK, "token_mean") == 3.0
+
+
+def test_seq_mean_on_ragged_mask_by_hand():
+    # row means (1 + 2)/2 = 1.5 and 4/1 = 4; the empty row is not a sequence: (1.5 + 4) / 2 = 2.75
+    assert reduce_tokens(VALUES, MASK, "seq_mean").item() == approx(2.75)
+    assert reducer_denominator(MASK, "seq_mean") == 2.0
+
+
+@pytest.mark.parametrize("reducer", ["token_mean", "seq_mean"])
+def test_pieces_with_the_whole_denominator_add_up(reducer):
+    # token_mean: 3/3 + 4/3 + 0/3 = 7/3; seq_mean: 1.5/2 + 4/2 + 0/2 = 2.75
+    denom = reducer_denominator(MASK, reducer)
+    pieces = sum(reduce_tokens(VALUES[i : i + 1], MASK[i : i + 1], reducer, denom) for i in range(3))
+    assert pieces.item() == approx(reduce_tokens(VALUES, MASK, reducer).item())
+
+
+def test_empty_mask_reduces_to_zero():
+    assert reduce_tokens(VALUES, torch.zeros_like(MASK), "token_mean").item() == 0.0
+    assert reduce_tokens(VALUES, torch.zeros_like(MASK), "seq_mean").item() == 0.0
+
+
+def test_unknown_reducer_is_named():
+    with pytest.raises(ValueError, match="'sum'"):
+        reduce_tokens(VALUES, MASK, "sum")
+
+
+# --------------------------------------------------------------------------------------- PPO loss
+
+
+def _four_cases():
+    # one token per sequence; log ratio +1 (ratio e = 2.71828) or -1 (ratio 1/e = 0.36788)
+    logprobs = torch.tensor([[1.0], [1.0], [-1.0], [-1.0]])
+    return logprobs, torch.zeros_like(logprobs), torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones_like(logprobs)
+
+
+def test_ppo_clip_loss_by_hand():
+    logprobs, old, adv, mask = _four_cases()
+    loss, metrics = ppo_clip_loss(logprobs, old, adv, mask, eps_clip=0.2)
+    # row 0: ratio e, A = +1: max(-e, -1.2) = -1.2          (clipped at 1.2)
+    # row 1: ratio e, A = -1: max(e, 1.2) = e = 2.71828       (pessimistic: not clipped)
+    # row 2: ratio 1/e, A = +1: max(-0.36788, -0.8) = -0.36788 (not clipped)
+    # row 3: ratio 1/e, A = -1: max(0.36788, 0.8) = 0.8        (clipped at 0.8)
+    # token_mean = (-1.2 + 2.71828 - 0.36788 + 0.8) / 4 = 1.95040 / 4 = 0.48760
+    assert loss.item() == approx((-1.2 + E - 1 / E + 0.8) / 4, abs=1e-6)
+    assert loss.item() == approx(0.48760, abs=1e-5)
+    assert metrics["clipfrac"].item() == approx(0.5)  # rows 0 and 3
+    assert metrics["ratio_mean"].item() == approx((2 * E + 2 / E) / 4, abs=1e-6)  # 1.54308
+    assert metrics["approx_kl"].item() == approx(0.5)  # 0.5 * (+-1)^2
+
+
+def test_single_token_clip_to_1_2():
+    # ratio = e, advantage 1, eps 0.2: clipped to 1.2, so loss = -1.2
+    loss, _ = ppo_clip_loss(torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([1.0]), torch.tensor([[1.0]]))
+    assert loss.item() == approx(-1.2)
+
+
+def test_asymmetric_clip_high():
+    # ratio e, A = +1, eps_clip_high 0.28: clipped to 1.28 -> loss -1.28; the low side still clips at 0.8
+    loss, _ = ppo_clip_loss(
+        torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([1.0]), torch.tensor([[1.0]]), 0.2, 0.28
+    )
+    assert loss.item() == approx(-1.28)
+    loss, _ = ppo_clip_loss(
+        torch.tensor([[-1.0]]), torch.tensor([[0.0]]), torch.tensor([-1.0]), torch.tensor([[1.0]]), 0.2, 0.28
+    )
+    assert loss.item() == approx(0.8)
+
+
+def test_seq_mean_ppo_on_ragged_mask():
+    # old = logp -> ratio 1 everywhere -> token loss = -A: row 0 (A = 2) -2 on 2 tokens, row 1 (A = -1) +1 on 1 token
+    logprobs = torch.zeros(2, 3)
+    adv = torch.tensor([2.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    token, _ = ppo_clip_loss(logprobs, logprobs, adv, mask, reducer="token_mean")
+    seq, _ = ppo_clip_loss(logprobs, logprobs, adv, mask, reducer="seq_mean")
+    assert token.item() == approx((-2 - 2 + 1) / 3)  # = -1
+    assert seq.item() == approx((-2 + 1) / 2)  # row means -2 and 1 -> -0.5
+
+
+def test_zero_advantage_gives_zero_policy_gradient():
+    logprobs = torch.tensor([[0.3, -0.2, 0.1]], requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs, torch.zeros(1, 3), torch.zeros(1), torch.ones(1, 3))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logprobs.grad, torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize(
+    ("log_ratio", "advantage", "grad"),
+    [
+        (1.0, 1.0, 0.0),  # ratio e > 1.2 with A > 0: clipped, no gradient
+        (-1.0, -1.0, 0.0),  # ratio 1/e < 0.8 with A < 0: clipped, no gradient
+        (1.0, -1.0, E),  # ratio e, A < 0: loss = -A r = r, d/dlogp = r = e
+        (-1.0, 1.0, -1 / E),  # ratio 1/e, A > 0: loss = -r, d/dlogp = -r = -0.36788
+        (math.log(1.1), 1.0, -1.1),  # inside the clip range: loss = -r, gradient -1.1
+    ],
+)
+def test_gradient_is_zero_only_beyond_the_clip_in_the_advantage_direction(log_ratio, advantage, grad):
+    logprobs = torch.tensor([[log_ratio]], requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1))
+    loss.backward()
+    assert logprobs.grad.item() == approx(grad, abs=1e-6)
+
+
+def test_masked_tokens_get_no_gradient():
+    logprobs = torch.zeros(1, 3, requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs, torch.zeros(1, 3), torch.ones(1), torch.tensor([[1.0, 0.0, 1.0]]))
+    loss.backward()
+    # loss = (-r0 - r2) / 2 -> d/dlogp = [-0.5, 0, -0.5]
+    assert logprobs.grad.tolist() == [[-0.5, 0.0, -0.5]]
+
+
+# -------------------------------------------------------------------------------------------- KL
+
+
+def test_kl_estimators_by_hand():
+    ln2 = math.log(2.0)
+    # token 0: logp = 0, ref = ln 2 -> log r = ln 2 = 0.693147, r = 2
+    #   k1 = -log r = -0.693147; k2 = 0.5 * 0.480453 = 0.240227; k3 = (2 - 1) - 0.693147 = 0.306853
+    # token 1: logp = ln 2, ref = 0 -> log r = -ln 2, r = 1/2
+    #   k1 = 0.693147; k2 = 0.240227; k3 = (0.5 - 1) + 0.693147 = 0.193147
+    # token 2: logp = ref -> all three are 0
+    logp = torch.tensor([[0.0, ln2, -1.0]])
+    ref = torch.tensor([[ln2, 0.0, -1.0]])
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([[-0.693147, 0.693147, 0.0]]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([[0.240227, 0.240227, 0.0]]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([[0.306853, 0.193147, 0.0]]))
+
+
+def test_unknown_kl_kind_is_named():
+    with pytest.raises(ValueError, match="'k4'"):
+        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")

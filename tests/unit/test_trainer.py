@@ -1,0 +1,233 @@
+"""TorchTrainer on the tiny model: smoke, invariance (micro-batching, old-logprob source, resume),
+export round trip, KL at the reference, and the batch alignment it relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_core.config import TrainConfig
+from miles_core.models.tiny import build_tokenizer
+from miles_core.train import setup_trainer
+from miles_core.train.base import Trainer, TrainBatch
+from miles_core.train.batch import collate
+from miles_core.train.losses import token_logprobs
+from miles_core.train.torch_trainer import TorchTrainer
+from miles_core.types import Group, Sample
+
+torch.set_num_threads(1)
+
+# two prompts x four answers (ragged lengths), rewards giving nonzero advantages in both groups
+ANSWERS = {"1+2=": ["3", "12", "4", "03"], "10+5=": ["15", "5", "105", "16"]}
+REWARDS_A = [[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
+REWARDS_B = [[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]]
+
+
+class FakeWeightStore:
+    """The one WeightStore method the trainer calls; writes safetensors like the real store."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def publish(self, version, state_dict, metadata=None):
+        from safetensors.torch import save_file
+
+        path = self.root / f"v{version:06d}.safetensors"
+        save_file(state_dict, str(path))
+        return str(path)
+
+
+def make_groups(rewards, logprob_model=None, temperature=1.0):
+    tok = build_tokenizer()
+    groups = []
+    for g, (prompt, answers) in enumerate(ANSWERS.items()):
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        samples = []
+        for i, answer in enumerate(answers):
+            response_ids = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
+            loss_mask = [1] * len(response_ids)
+            if len(response_ids) == 4:
+                loss_mask[1] = 0  # a masked token in the middle (like tool output)
+            samples.append(
+                Sample(prompt, prompt_ids, response_ids, answer, reward=rewards[g][i], loss_mask=loss_mask,
+                       group_index=g, sample_index=i)
+            )
+        groups.append(Group(samples))
+    if logprob_model is not None:
+        for s in (s for g in groups for s in g.samples):
+            s.rollout_logprobs = _single_sequence_logprobs(logprob_model, s, temperature)
+    return groups
+
+
+def _single_sequence_logprobs(model, s, temperature):
+    """Logprobs of each response token, from a forward pass of this sample alone (no padding)."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    positions = torch.arange(len(s.response_ids)) + len(s.prompt_ids) - 1  # logits predicting response j
+    return token_logprobs(logits[positions], torch.tensor(s.response_ids), temperature).tolist()
+
+
+def make_batch(rewards, temperature=1.0, logprob_model=None):
+    return TrainBatch.from_groups(make_groups(rewards, logprob_model, temperature), temperature=temperature)
+
+
+def make_trainer(model_dir, tmp_path, **cfg):
+    cfg.setdefault("global_batch_size", 8)
+    return TorchTrainer(str(model_dir), TrainConfig(**cfg), FakeWeightStore(tmp_path))
+
+
+def params(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+
+
+def assert_same_params(a, b, atol):
+    pa, pb = params(a), params(b)
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -------------------------------------------------------------------------------------------- batch
+
+
+def test_collate_aligns_response_token_j_with_logits_position_prompt_len_plus_j_minus_1():
+    groups = make_groups(REWARDS_A)
+    samples = [s for g in groups for s in g.samples]
+    samples[2].reward = None  # a failed sample keeps its row but trains nothing
+    for s in samples:
+        s.rollout_logprobs = [-0.1 * (j + 1) for j in range(len(s.response_ids))]
+    tb = collate(samples)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        assert tb.input_ids[i, : s.total_len].tolist() == s.prompt_ids + s.response_ids
+        assert tb.attention_mask[i].sum() == s.total_len  # right padding: real tokens first
+        for j, token in enumerate(s.response_ids):
+            assert tb.labels[i, p + j - 1] == token
+            assert tb.rollout_logprobs[i, p + j - 1].item() == pytest.approx(-0.1 * (j + 1))
+            assert tb.loss_mask[i, p + j - 1] == (0 if s.reward is None else s.loss_mask[j])
+        assert tb.loss_mask[i].sum() == (0 if s.reward is None else sum(s.loss_mask))
+
+
+def test_collate_rejects_mismatched_loss_mask():
+    s = Sample("1+2=", [3, 4], [5, 1], reward=1.0, loss_mask=[1])
+    with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 response tokens"):
+        collate([s])
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+
+def test_one_step_changes_every_parameter(tiny_model_dir, tmp_path):
+    trainer = setup_trainer(TrainConfig(global_batch_size=8), str(tiny_model_dir), FakeWeightStore(tmp_path))
+    assert isinstance(trainer, Trainer) and trainer.ref_model is None  # kl_coef 0: no reference copy
+    before = params(trainer)
+    metrics = trainer.step(make_batch(REWARDS_A))
+    after = params(trainer)
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+    assert metrics["num_optimizer_steps"] == 1 and metrics["version"] == 1 and trainer.version == 1
+    assert metrics["train_tokens"] == 21  # 22 response tokens (answers + eos) minus the masked one of "105"
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # recomputed old logprobs: ratio 1
+    assert metrics["clipfrac"] == 0.0 and metrics["grad_norm"] > 0
+    assert metrics["entropy"] > 0
+
+
+@pytest.mark.parametrize("reducer", ["token_mean", "seq_mean"])
+def test_micro_batch_size_does_not_change_the_update(tiny_model_dir, tmp_path, reducer):
+    batch = make_batch(REWARDS_A)
+    one = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=1, loss_reducer=reducer, clip_grad=0.0)
+    eight = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, loss_reducer=reducer, clip_grad=0.0)
+    m1, m8 = one.step(batch), eight.step(batch)
+    # grad_norm is scale-sensitive (Adam's first step nearly is not), so it catches a wrong normaliser
+    for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+        assert m1[key] == pytest.approx(m8[key], abs=1e-5), key
+    assert_same_params(one, eight, atol=1e-5)
+
+
+def test_recompute_and_rollout_old_logprobs_agree_when_weights_agree(tiny_model_dir, tmp_path):
+    temperature = 0.7
+    recompute = make_trainer(tiny_model_dir, tmp_path, old_logprobs="recompute", micro_batch_size=3)
+    rollout = make_trainer(tiny_model_dir, tmp_path, old_logprobs="rollout", micro_batch_size=3)
+    batch = make_batch(REWARDS_A, temperature, logprob_model=rollout.model)
+    m_re, m_ro = recompute.step(batch), rollout.step(batch)
+    assert m_ro["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m_re["loss"] == pytest.approx(m_ro["loss"], abs=1e-6)
+    assert m_re["grad_norm"] == pytest.approx(m_ro["grad_norm"], abs=1e-5)
+    assert_same_params(recompute, rollout, atol=1e-5)
+
+
+def test_rollout_old_logprobs_must_be_present(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, old_logprobs="rollout")
+    with pytest.raises(ValueError, match="needs rollout_logprobs"):
+        trainer.step(make_batch(REWARDS_A))
+
+
+def test_exported_weights_reproduce_the_logits(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    trainer.step(make_batch(REWARDS_A))
+    uri = trainer.export(trainer.version)
+    fresh = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    fresh.load_state_dict(load_file(uri), strict=True)
+    ids = collate(make_groups(REWARDS_A)[0].samples)
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits
+        got = fresh(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tmp_path):
+    # 2 optimizer steps per batch on shuffled minibatches: the shuffle RNG and Adam state both matter
+    cfg = dict(global_batch_size=4, micro_batch_size=2)
+    ckpt = str(tmp_path / "ckpt" / "trainer.pt")
+    straight = make_trainer(tiny_model_dir, tmp_path, **cfg)
+    straight.step(make_batch(REWARDS_A))
+    straight.save(ckpt)
+    m_straight = straight.step(make_batch(REWARDS_B))
+
+    resumed = make_trainer(tiny_model_dir, tmp_path, **cfg)
+    resumed.load(ckpt)
+    assert resumed.version == 2
+    m_resumed = resumed.step(make_batch(REWARDS_B))
+    assert resumed.version == straight.version == 4
+    assert m_resumed["loss"] == pytest.approx(m_straight["loss"], abs=1e-7)
+    assert_same_params(straight, resumed, atol=1e-7)
+
+
+def test_kl_is_zero_while_the_policy_is_the_reference(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, kl_coef=0.1, kl_type="k3", global_batch_size=None)
+    assert trainer.ref_model is not None
+    first = trainer.step(make_batch(REWARDS_A))
+    assert abs(first["kl"]) < 1e-6
+    second = trainer.step(make_batch(REWARDS_A))
+    assert second["kl"] > 0  # the policy has moved away from the reference
+
+
+def test_failed_samples_train_nothing(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    all_failed = [[None] * 4, [None] * 4]
+    before = params(trainer)
+    metrics = trainer.step(make_batch(all_failed))
+    assert metrics["num_optimizer_steps"] == 0 and metrics["num_excluded_samples"] == 8
+    assert trainer.version == 0
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+
+
+def test_export_through_the_real_weight_store(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    weights = pytest.importorskip("miles_core.storage.weights")
+    store = weights.WeightStore(str(tmp_path / "weights"))
+    trainer = TorchTrainer(str(tiny_model_dir), TrainConfig(), store)
+    trainer.step(make_batch(REWARDS_A))
+    uri = trainer.export(trainer.version)
+    assert store.latest() == 1
+    fresh = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    fresh.load_state_dict(weights.load_snapshot(uri), strict=True)
+    ids = collate(make_groups(REWARDS_A)[1].samples)
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits
+        got = fresh(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
