@@ -1,0 +1,268 @@
+"""The math / GSM8K answer reward, the reward registry, and the score_groups driver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from miles_core.rewards import RewardStats, get_reward, group_reward, register_reward, score_groups
+from miles_core.rewards.math import extract_answer, label_answer, math_reward
+from miles_core.types import Group, Sample, SampleStatus
+
+REPO = Path(__file__).resolve().parents[2]
+GSM8K_DIR = Path(os.environ.get("MILES_GSM8K_DIR", REPO.parent / "shared" / "datasets" / "gsm8k"))
+
+# ------------------------------------------------------------------------------- math reward
+
+# (response, label, expected reward)
+CASES = [
+    ("#### 18", "18", 1.0),
+    ("She pays 9 * 2 = 18 dollars.\n#### 18", "Janet pays 9*2=<<9*2=18>>18\n#### 18", 1.0),
+    ("so the total is \\boxed{18}.", "18", 1.0),
+    ("The answer is 18", "18", 1.0),
+    ("The answer is: $18", "18", 1.0),
+    ("Q: how many?\nA: 18", "18", 1.0),
+    ("Answer: 18", "18", 1.0),
+    ("The final answer is 1,234.", "1234", 1.0),
+    ("#### 1234", "1,234", 1.0),
+    ("The answer is 18 dollars.", "18", 1.0),
+    ("The answer is 18 apples", "18", 1.0),
+    ("The answer is $18.00.", "18", 1.0),
+    ("The answer is 25%.", "25", 1.0),  # percent signs are dropped: GSM8K labels percentages plainly
+    ("\\boxed{18\\text{ dollars}}", "18", 1.0),
+    ("The temperature fell to -7 degrees. The answer is -7.", "-7", 1.0),
+    ("\\boxed{-1{,}000}", "-1000", 1.0),
+    ("The answer is 0.5", "1/2", 1.0),
+    ("The answer is $\\frac{1}{2}$", "0.5", 1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),  # symbolic, through math-verify
+    ("\\boxed{1 + x^2}", "x^2+1", 1.0),
+    ("First 3 * 6 = 18, then 18 + 2 = 20 marbles in total.", "20", 1.0),  # last number fallback
+    ("He has 48/2 = <<48/2=24>>24 clips", "24", 1.0),
+    ("I think it is 3.5 hours", "3.5", 1.0),
+    # wrong answers
+    ("#### 17", "18", 0.0),
+    ("The answer is 18", "19", 0.0),
+    ("\\boxed{18}", "1.8", 0.0),
+    ("The answer is -7.", "7", 0.0),
+    ("The answer is 1,234.", "1243", 0.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{3}}", "\\frac{\\sqrt3}{2}", 0.0),
+    ("I don't know.", "18", 0.0),
+    ("", "18", 0.0),
+    # the marked answer wins over numbers written after it, and the last marker wins
+    ("The answer is 18. Check: 20 - 2 = 18, and 5 more gives 23", "18", 1.0),
+    ("The answer is 17.\nWait, recomputing.\nThe answer is 18.", "18", 1.0),
+    ("#### 18\nThe answer is 17", "18", 1.0),
+]
+
+
+@pytest.mark.parametrize(("response", "label", "expected"), CASES)
+def test_math_reward(response, label, expected):
+    assert math_reward(response, label) == expected
+
+
+def test_extract_answer_normalises_numbers():
+    assert extract_answer("The answer is $1,234.00.") == "1234"
+    assert extract_answer("#### 0.50") == "0.50"
+    assert extract_answer("The answer is \u22125") == "-5"  # unicode minus
+    assert extract_answer("\\boxed{2x+1}") == "2x+1"  # not a number: kept for symbolic comparison
+    assert extract_answer("no digits") is None
+    assert label_answer("Some steps.\n#### 72") == "72"
+
+
+def test_math_reward_needs_a_label():
+    with pytest.raises(ValueError, match="needs a label"):
+        math_reward("#### 1", None)
+    with pytest.raises(ValueError, match="no answer after '####'"):
+        math_reward("#### 1", "steps\n####   ")
+
+
+def _gsm8k_rows(n: int) -> list[dict]:
+    path = GSM8K_DIR / "train.jsonl"
+    if not path.is_file():
+        pytest.skip(f"GSM8K not found at {GSM8K_DIR} (set MILES_GSM8K_DIR)")
+    with path.open() as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+def test_gsm8k_gold_solutions_score_against_their_own_label():
+    rows = _gsm8k_rows(40)
+    for i, row in enumerate(rows):
+        other = rows[(i + 1) % len(rows)]
+        assert math_reward(row["answer"], row["answer"]) == 1.0, row["answer"]
+        # The first rows' neighbours have different answers, so a neighbour's solution scores 0.
+        same = label_answer(row["answer"]) == label_answer(other["answer"])
+        assert math_reward(other["answer"], row["answer"]) == float(same)
+
+
+def test_gsm8k_first_labels_with_typical_responses():
+    labels = [r["answer"] for r in _gsm8k_rows(3)]  # answers 72, 10, 5
+    assert math_reward("Natalia sold 72 clips in total. The answer is 72.", labels[0]) == 1.0
+    assert math_reward("She earned $10.00.\n#### $10", labels[1]) == 1.0
+    assert math_reward("Betty needs \\boxed{5} more dollars.", labels[2]) == 1.0
+    assert math_reward("Betty needs \\boxed{15} more dollars.", labels[2]) == 0.0
+
+
+def test_math_reward_runs_in_a_worker_thread():
+    # math-verify's default signal-based timeout fails outside the main thread; ours is off.
+    assert asyncio.run(asyncio.to_thread(math_reward, "\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}")) == 1.0
+
+
+# ---------------------------------------------------------------------------------- registry
+
+
+def sample(response: str, label: str | None = "18", status=SampleStatus.COMPLETED, g: int = 0, i: int = 0) -> Sample:
+    return Sample(
+        prompt="q", prompt_ids=[1], response=response, label=label, status=status, group_index=g, sample_index=i
+    )
+
+
+def groups_of(*responses_per_group: list[str]) -> list[Group]:
+    return [Group([sample(r, g=g, i=i) for i, r in enumerate(rs)]) for g, rs in enumerate(responses_per_group)]
+
+
+def test_builtin_names():
+    assert get_reward("math") is get_reward("gsm8k")
+    assert get_reward("math")(sample("#### 18")) == 1.0
+    assert callable(get_reward("toy"))
+
+
+def test_toy_builtin_scores_exact_match():
+    pytest.importorskip("miles_core.data.toy")
+    toy = get_reward("toy")
+    assert toy(sample(" 82 ", label="82")) == 1.0
+    assert toy(sample("81", label="82")) == 0.0
+
+
+def test_unknown_name_lists_registered_rewards():
+    with pytest.raises(ValueError, match=r"unknown reward 'gsm9k'.*gsm8k, math, toy.*'package.module:function'"):
+        get_reward("gsm9k")
+
+
+def test_custom_module_function_spec(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text("def length(sample):\n    return float(len(sample.response))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward("my_rewards_mod:length")
+    assert fn(sample("abc")) == 3.0
+    with pytest.raises(ValueError, match=r"'my_rewards_mod:nope': module 'my_rewards_mod' has no function 'nope'"):
+        get_reward("my_rewards_mod:nope")
+
+
+def test_custom_spec_import_error_names_spec_and_fix():
+    with pytest.raises(ValueError, match=r"'no_such_pkg\.mod:fn': cannot import module 'no_such_pkg\.mod'.*PYTHONPATH"):
+        get_reward("no_such_pkg.mod:fn")
+
+
+def test_register_reward_decorator():
+    @register_reward("test-always-half")
+    def half(sample: Sample) -> float:
+        return 0.5
+
+    assert get_reward("test-always-half") is half
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def test_sync_reward_runs_off_the_event_loop_thread():
+    seen = set()
+
+    def fn(s: Sample) -> float:
+        seen.add(threading.get_ident())
+        return 1.0 if s.response == "#### 18" else 0.0
+
+    groups = groups_of(["#### 18", "#### 3"], ["#### 18"])
+    stats = asyncio.run(score_groups(fn, groups))
+    assert stats == RewardStats(scored=3, failed=0, skipped=0, errors=[])
+    assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0]]
+    assert threading.get_ident() not in seen
+
+
+def test_async_reward():
+    async def fn(s: Sample) -> float:
+        await asyncio.sleep(0)
+        return float(len(s.response))
+
+    groups = groups_of(["ab", "abc"])
+    stats = asyncio.run(score_groups(fn, groups))
+    assert stats.scored == 2 and groups[0].rewards == [2.0, 3.0]
+
+
+def test_per_group_reward_sync_and_async():
+    @group_reward
+    def rank(samples: list[Sample]) -> list[float]:
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].response))
+        return [float(order.index(i)) for i in range(len(samples))]
+
+    @group_reward
+    async def count(samples: list[Sample]) -> list[float]:
+        return [float(len(samples))] * len(samples)
+
+    groups = groups_of(["ccc", "a", "bb"])
+    assert asyncio.run(score_groups(rank, groups)).scored == 3
+    assert groups[0].rewards == [2.0, 0.0, 1.0]
+    assert asyncio.run(score_groups(count, groups)).scored == 3
+    assert groups[0].rewards == [3.0, 3.0, 3.0]
+
+
+def test_raising_reward_fails_only_that_sample_and_is_counted():
+    def fn(s: Sample) -> float:
+        if s.response == "bad":
+            raise ZeroDivisionError("division by zero")
+        return 1.0
+
+    groups = groups_of(["ok", "bad"], ["bad", "ok"])
+    stats = asyncio.run(score_groups(fn, groups))  # does not raise
+    assert (stats.scored, stats.failed) == (2, 2)
+    bad = groups[0].samples[1]
+    assert (bad.status, bad.reward) == (SampleStatus.FAILED, None)
+    assert bad.error == "reward: ZeroDivisionError: division by zero"
+    assert stats.errors == [
+        "group 0 sample 1: reward: ZeroDivisionError: division by zero",
+        "group 1 sample 0: reward: ZeroDivisionError: division by zero",
+    ]
+    assert groups[0].samples[0].status is SampleStatus.COMPLETED
+
+
+def test_bad_return_values_fail_the_sample():
+    values = iter(["1.0", float("nan"), 1, True])
+    stats = asyncio.run(score_groups(lambda s: next(values), groups_of(["a", "b", "c", "d"])))
+    assert (stats.scored, stats.failed) == (2, 2)
+    assert "reward: TypeError: reward function returned '1.0' (str); expected a float" in stats.errors[0]
+    assert "reward: ValueError: reward function returned nan" in stats.errors[1]
+
+
+def test_raising_or_short_group_reward_fails_the_whole_group():
+    @group_reward
+    def boom(samples):
+        raise RuntimeError("judge unreachable")
+
+    @group_reward
+    def short(samples):
+        return [1.0]
+
+    groups = groups_of(["a", "b"], ["c", "d"])
+    stats = asyncio.run(score_groups(boom, groups[:1]))
+    assert stats.failed == 2 and all(s.error == "reward: RuntimeError: judge unreachable" for s in groups[0].samples)
+    stats = asyncio.run(score_groups(short, groups[1:]))
+    assert stats.failed == 2 and "returned 1 scores for 2 samples" in stats.errors[0]
+
+
+def test_aborted_and_failed_samples_are_skipped():
+    groups = [Group([sample("#### 18"), sample("#### 18", status=SampleStatus.ABORTED, i=1)])]
+    stats = asyncio.run(score_groups(get_reward("gsm8k"), groups))
+    assert (stats.scored, stats.skipped) == (1, 1)
+    assert groups[0].rewards == [1.0, None]
+
+
+def test_error_list_is_capped():
+    def fn(s):
+        raise ValueError("nope")
+
+    stats = asyncio.run(score_groups(fn, groups_of([str(i) for i in range(8)])))
+    assert stats.failed == 8 and len(stats.errors) == 5
