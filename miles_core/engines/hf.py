@@ -1,0 +1,462 @@
+"""In-process transformers rollout engine (the CPU default).
+
+Parts:
+- ``HFEngine``: the ``RolloutEngine`` over a Hugging Face causal LM loaded in this process. It runs
+  its own KV-cached decode loop over left-padded batches (``position_ids = mask.cumsum(-1) - 1``),
+  so each output token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw
+  logits when T is 0), the quantity the trainer recomputes.
+- ``sample_tokens``: one decode step's temperature / top-k / top-p sampling, by inverse CDF.
+- ``read_safetensors``: a weight snapshot (file, folder, or sharded folder) from any fsspec URL.
+
+Concurrency: all torch work runs in a worker thread (``asyncio.to_thread``) under one
+``asyncio.Lock``, so the event loop keeps running, and weight updates wait for in-flight
+generation. ``pause()`` closes a gate that new ``generate`` calls wait at; ``abort()`` sets the
+``threading.Event`` of every call in flight or queued, which the decode loop checks at each step.
+
+Seeds: a request with ``seed`` draws its uniforms from ``torch.Generator().manual_seed(seed)``
+(``max_new_tokens`` of them, up front; new token t uses uniform t), so its output does not depend
+on the batch it shares. Requests without a seed draw from the engine's generator, seeded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache
+
+from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+
+if TYPE_CHECKING:
+    from miles_core.config import HFEngineConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_COMPACT_SHARE = 0.25
+"""Finished rows leave the batch (and its KV cache) once they are this share of the batch."""
+
+
+@dataclass
+class _Row:
+    """What one sequence of a batch has produced so far."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+@dataclass(eq=False)  # hashed by identity: calls live in a set
+class _Call:
+    """One ``generate`` call: ``stop`` is read by the decode thread, ``aborted`` wakes the call
+    when it waits at the pause gate."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class HFEngine:
+    """A transformers causal LM generating in this process.
+
+    ``tokenizer`` is the model folder's tokenizer (flows encode prompts and decode with it).
+    ``model_dir`` is a local Hugging Face folder; ``dtype`` is ``float32`` | ``bfloat16``;
+    ``seed`` seeds the sampling of requests that carry no seed of their own."""
+
+    def __init__(self, model_dir: str, cfg: HFEngineConfig, dtype: str = "float32", seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"HFEngine dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+        self.model = model.to(self.device).eval()
+        self._eos_ids = _eos_ids(self.tokenizer, self.model)
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
+        self._vocab = self.model.get_output_embeddings().weight.shape[0]
+        # transformers 5.2x renamed forward's ``past_key_values`` to ``cache``; the cache is ours either way
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        self._generator = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._lock = asyncio.Lock()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._calls: set[_Call] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ protocol
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Generate for all requests (any mix of sampling params); results are in request order."""
+        self._ensure_open()
+        requests = list(requests)
+        for req in requests:
+            self._check_request(req)
+        call = _Call()
+        self._calls.add(call)
+        try:
+            while True:
+                await self._wait_resumed(call)
+                if call.stop.is_set():  # aborted while paused: never reaches the model
+                    return [self._result(req, _Row(finish="abort")) for req in requests]
+                async with self._lock:
+                    if not self._resumed.is_set():  # paused while this call waited for the lock
+                        continue
+                    self._ensure_open()
+                    return await _in_thread(self._generate_sync, requests, call.stop, on_cancel=call.stop.set)
+        finally:
+            self._calls.discard(call)
+
+    async def update_weights(self, uri: str, version: int) -> None:
+        """Load the safetensors snapshot at ``uri`` (a file, or a folder holding ``model.safetensors``
+        or a sharded ``model.safetensors.index.json``; any fsspec URL) once in-flight generation
+        has finished, then report ``version``. Keys are checked before the model is touched."""
+        self._ensure_open()
+        state = await asyncio.to_thread(self._read_matching_state, uri)
+        async with self._lock:
+            self._ensure_open()
+            await _in_thread(self._load_state, state)
+            self._version = version
+
+    async def load_adapter(self, name: str, uri: str) -> None:
+        """Not supported yet: the one method this engine leaves out, on purpose, until LoRA
+        adapters arrive with the training-backends issue."""
+        raise NotImplementedError("LoRA adapters arrive with the training-backends issue")
+
+    async def pause(self) -> None:
+        """New ``generate`` calls wait until ``resume()``; returns once in-flight generation has
+        finished (call ``abort()`` first to cut it short)."""
+        self._resumed.clear()
+        async with self._lock:
+            pass
+
+    async def resume(self) -> None:
+        self._resumed.set()
+
+    async def abort(self) -> None:
+        """End every call in flight or queued: unfinished sequences stop at the next decode step
+        and come back with the tokens so far and finish reason ``abort``. Later calls run normally."""
+        for call in list(self._calls):
+            call.stop.set()
+            call.aborted.set()
+
+    async def health(self) -> bool:
+        return not self._closed
+
+    async def close(self) -> None:
+        """Abort what is running, then release the model."""
+        await self.abort()
+        async with self._lock:
+            self._closed = True
+            self.model = None
+
+    # ------------------------------------------------------------------------- async helpers
+
+    async def _wait_resumed(self, call: _Call) -> None:
+        if self._resumed.is_set() or call.aborted.is_set():
+            return
+        waits = [asyncio.ensure_future(self._resumed.wait()), asyncio.ensure_future(call.aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("HFEngine is closed")
+
+    def _check_request(self, req: GenerateRequest) -> None:
+        if req.adapter is not None:
+            raise ValueError(f"request {req.rid!r} asks for adapter {req.adapter!r}; HFEngine has no adapters loaded")
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.rid!r} has an empty prompt (the engine needs at least one token)")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self._vocab:
+            raise ValueError(f"request {req.rid!r} has token ids outside the vocabulary [0, {self._vocab})")
+        _check_sampling(req.sampling, req.rid)
+
+    def _result(self, req: GenerateRequest, row: _Row, version: int | None = None) -> GenerateResult:
+        text = self.tokenizer.decode(row.output_ids, skip_special_tokens=True)
+        version = self._version if version is None else version
+        return GenerateResult(row.output_ids, text, row.logprobs, row.finish or "abort", version, req.rid)
+
+    # ----------------------------------------------------------------- generation (worker thread)
+
+    @torch.inference_mode()
+    def _generate_sync(self, requests: list[GenerateRequest], stop: threading.Event) -> list[GenerateResult]:
+        """Batch requests with equal sampling params (seed aside), shortest prompts together."""
+        version = self._version
+        batches: dict[SamplingParams, list[int]] = defaultdict(list)
+        for k, req in enumerate(requests):
+            batches[_batch_key(req.sampling)].append(k)
+        results: list[GenerateResult | None] = [None] * len(requests)
+        for params, ks in batches.items():
+            ks.sort(key=lambda k: len(requests[k].prompt_ids))
+            for start in range(0, len(ks), self.cfg.max_batch_size):
+                chunk = [requests[k] for k in ks[start : start + self.cfg.max_batch_size]]
+                rows = self._run_batch(chunk, params, stop)
+                for k, req, row in zip(ks[start:], chunk, rows):
+                    results[k] = self._result(req, row, version)
+        return results  # type: ignore[return-value]
+
+    def _run_batch(self, reqs: list[GenerateRequest], params: SamplingParams, stop: threading.Event) -> list[_Row]:
+        """The decode loop of one batch. Finished rows are dropped from the batch and its KV cache
+        once they are a quarter of it; the rest keep decoding with their own positions."""
+        rows = [_Row() for _ in reqs]
+        if params.max_new_tokens == 0 or stop.is_set():
+            for row in rows:
+                row.finish = "length" if params.max_new_tokens == 0 and not stop.is_set() else "abort"
+            return rows
+        uniforms = self._uniforms(reqs, params)
+        stop_ids = self._eos_ids | set(params.stop_token_ids)
+        ids, mask = self._left_pad([r.prompt_ids for r in reqs])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        kv = {self._cache_kwarg: cache, "use_cache": True}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kv)
+        logits = out.logits[:, -1].float()
+        next_pos = mask.sum(-1, keepdim=True)
+        live = list(range(len(reqs)))  # batch row -> index into rows
+        for step in range(params.max_new_tokens):
+            if stop.is_set():
+                for i in live:
+                    rows[i].finish = rows[i].finish or "abort"
+                break
+            u = None if uniforms is None else uniforms[live, step]
+            tokens, logprobs = sample_tokens(logits, params, u)
+            self._record(rows, live, tokens.tolist(), logprobs.tolist(), params, stop_ids)
+            active = [b for b, i in enumerate(live) if rows[i].finish is None]
+            if not active:
+                break
+            if len(live) - len(active) >= _COMPACT_SHARE * len(live):
+                index = torch.tensor(active, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_pos, tokens = mask[index], next_pos[index], tokens[index]
+                live = [live[b] for b in active]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos, **kv)
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+        return rows
+
+    def _record(
+        self, rows: list[_Row], live: list[int], tokens: list[int], logprobs: list[float], params: SamplingParams,
+        stop_ids: set[int],
+    ) -> None:
+        """Append this step's token to every unfinished row and decide whether the row ends."""
+        for b, i in enumerate(live):
+            row = rows[i]
+            if row.finish is not None:
+                continue
+            row.output_ids.append(tokens[b])
+            row.logprobs.append(logprobs[b])
+            if tokens[b] in stop_ids or (params.stop and self._ends_in_stop(row.output_ids, params.stop)):
+                row.finish = "stop"
+            elif len(row.output_ids) >= params.max_new_tokens:
+                row.finish = "length"
+
+    def _ends_in_stop(self, output_ids: list[int], stops: tuple[str, ...]) -> bool:
+        """Whether the newest token completed a stop string. Rows are checked after every token, so
+        a new match lies in the response's tail: decoding a tail window keeps each check short."""
+        window = 2 * max(len(s) for s in stops) + 8
+        text = self.tokenizer.decode(output_ids[-window:], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[b, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _uniforms(self, reqs: list[GenerateRequest], params: SamplingParams) -> torch.Tensor | None:
+        """One uniform per request and new token (None when greedy: nothing is drawn)."""
+        if params.temperature == 0:
+            return None
+        n = params.max_new_tokens
+        u = torch.empty((len(reqs), n), dtype=torch.float64)
+        unseeded = [b for b, r in enumerate(reqs) if r.sampling.seed is None]
+        if unseeded:
+            u[unseeded] = torch.rand((len(unseeded), n), generator=self._generator, dtype=torch.float64)
+        for b, r in enumerate(reqs):
+            if r.sampling.seed is not None:
+                g = torch.Generator().manual_seed(r.sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
+                u[b] = torch.rand(n, generator=g, dtype=torch.float64)
+        return u.to(self.device)
+
+    # ------------------------------------------------------------------------------- weights
+
+    def _read_matching_state(self, uri: str) -> dict[str, torch.Tensor]:
+        """Read the snapshot and check it against the model's keys and shapes. Tied weights (one
+        tensor under several names, such as ``lm_head.weight`` and ``model.embed_tokens.weight``)
+        may come under any of their names."""
+        state = read_safetensors(uri)
+        own = self.model.state_dict()
+        for names in _alias_groups(own):
+            present = [n for n in names if n in state]
+            if present:
+                for n in names:
+                    state.setdefault(n, state[present[0]])
+        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"weights at {uri} do not fit the model: "
+                f"missing keys {_few(missing)}, unexpected keys {_few(unexpected)}"
+            )
+        bad = [f"{k}: {tuple(state[k].shape)} vs model {tuple(t.shape)}" for k, t in own.items()
+               if state[k].shape != t.shape]
+        if bad:
+            raise ValueError(f"weights at {uri} have wrong shapes: {_few(bad)}")
+        return state
+
+    @torch.no_grad()
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
+
+
+# -------------------------------------------------------------------------------- sampling
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` [B, V] and return (tokens, logprobs), both [B].
+
+    The logprob is ``log_softmax(logits / T)`` (raw logits when T is 0), before truncation; top-k
+    then top-p truncate the temperature-scaled distribution that is sampled. ``uniforms`` [B] in
+    [0, 1) pick the token by inverse CDF (unused when greedy)."""
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, -1)
+    probs = _truncate(scaled, params.top_k, params.top_p).softmax(-1).double()
+    cdf = probs.cumsum(-1)
+    tokens = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1).clamp_(max=probs.shape[-1] - 1)
+    # Rounding in the cumsum can land on a token of probability 0: take the nearest allowed one below.
+    vocab = torch.arange(probs.shape[-1], device=probs.device)
+    allowed_at_or_below = torch.where(probs > 0, vocab, -1).cummax(-1).values
+    tokens = allowed_at_or_below.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k, then outside the top-p nucleus, to -inf."""
+    if 0 < top_k < scaled.shape[-1]:
+        values, index = scaled.topk(top_k, dim=-1)
+        scaled = torch.full_like(scaled, float("-inf")).scatter_(-1, index, values)
+    if top_p < 1.0:
+        values, index = scaled.sort(dim=-1, descending=True)
+        probs = values.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        values = values.masked_fill(mass_before >= top_p, float("-inf"))  # the nucleus is already full
+        scaled = torch.empty_like(scaled).scatter_(-1, index, values)
+    return scaled
+
+
+def _check_sampling(p: SamplingParams, rid: str | None) -> None:
+    problems = []
+    if p.max_new_tokens < 0:
+        problems.append(f"max_new_tokens={p.max_new_tokens} must be >= 0")
+    if p.temperature < 0:
+        problems.append(f"temperature={p.temperature} must be >= 0 (0 is greedy)")
+    if not 0 < p.top_p <= 1:
+        problems.append(f"top_p={p.top_p} must be in (0, 1]")
+    if p.top_k != -1 and p.top_k < 1:
+        problems.append(f"top_k={p.top_k} must be -1 (off) or >= 1")
+    if any(not s for s in p.stop):
+        problems.append("stop strings must not be empty")
+    if problems:
+        raise ValueError(f"request {rid!r}: bad sampling params: " + "; ".join(problems))
+
+
+def _batch_key(p: SamplingParams) -> SamplingParams:
+    """Requests batch together when their params agree on everything but the seed."""
+    return replace(p, seed=None, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids))
+
+
+# ------------------------------------------------------------------------------ weights I/O
+
+
+def read_safetensors(uri: str) -> dict[str, torch.Tensor]:
+    """All tensors of the snapshot at ``uri``: a ``.safetensors`` file, or a folder holding
+    ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``."""
+    import fsspec
+    from safetensors.torch import load
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    if fs.isdir(path):
+        files = _snapshot_files(fs, path.rstrip("/"), uri)
+    elif fs.exists(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"no weights at {uri}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load(fs.cat_file(f)))
+        except Exception as e:  # safetensors raises its own error types for malformed files
+            raise ValueError(f"{uri}: {f} is not a readable safetensors file: {e}") from e
+    return state
+
+
+def _snapshot_files(fs: Any, folder: str, uri: str) -> list[str]:
+    single = f"{folder}/model.safetensors"
+    if fs.exists(single):
+        return [single]
+    index = f"{single}.index.json"
+    if fs.exists(index):
+        weight_map = json.loads(fs.cat_file(index))["weight_map"]
+        return [f"{folder}/{name}" for name in sorted(set(weight_map.values()))]
+    raise FileNotFoundError(f"{uri} is a folder without model.safetensors or model.safetensors.index.json")
+
+
+def _alias_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names that share one tensor (tied weights)."""
+    by_ptr: dict[tuple[int, tuple[int, ...]], list[str]] = defaultdict(list)
+    for name, t in state.items():
+        if t.numel():
+            by_ptr[(t.data_ptr(), tuple(t.shape))].append(name)
+    return [names for names in by_ptr.values() if len(names) > 1]
+
+
+def _few(items: list[str], n: int = 5) -> str:
+    shown = ", ".join(items[:n]) or "none"
+    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+async def _in_thread(fn: Any, *args: Any, on_cancel: Any = None) -> Any:
+    """Run ``fn`` in a worker thread. If the awaiting task is cancelled, tell the thread
+    (``on_cancel``) and still wait for it, so the caller's lock is held until the model is free."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
+        await asyncio.wait([fut])
+        raise
