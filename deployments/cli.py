@@ -17,6 +17,8 @@ def _quiet_defaults() -> None:
     """No telemetry, no internet: Prefect's analytics off unless the user set otherwise."""
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(json.dumps(cfg.public_dict(), indent=2))
         return 0
+    _quiet_defaults()
     if args.command == "build-model":
         from miles_core.models.tiny import ensure_model
 
         print(ensure_model(cfg.model))
         return 0
-    _quiet_defaults()
     from flows.train import train
 
     summary = train(cfg)

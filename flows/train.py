@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from miles_core.config import RunConfig
 from miles_core.run import close_session, get_session
-from tasks.train import evaluate, prepare_run, push_weights, rollout, train_step
+from tasks.train import check_data, evaluate, prepare_run, push_weights, rollout, train_step
 
 
 def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
@@ -52,6 +52,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     progress = create_progress_artifact(0.0, key=None, description=f"{cfg.name}: steps done out of {total}")
     before = None
     try:
+        counts = check_data(cfg, refs)
+        log.info("prompts: %d for training, %d held out", counts["train_prompts"], counts["eval_prompts"])
         if not cfg.eval.skip_eval_before_train:
             before = evaluate(cfg, refs, 0)
             log.info(_eval_line("before training", before))

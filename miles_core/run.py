@@ -159,6 +159,10 @@ class RunSession:
 
         return get_reward(self.cfg.eval.reward or self.cfg.rollout.reward)
 
+    def check_data(self) -> dict[str, int]:
+        """Load the training and held-out prompts now, so a bad dataset fails the run before any work."""
+        return {"train_prompts": len(self.source), "eval_prompts": len(self.eval_items)}
+
     def _run(self, coro):
         self.engine  # noqa: B018 (builds the loop with the engine)
         return self._loop.run(coro)

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 exec .venv/bin/miles train --config configs/toy.toml "$@"

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect-test-home}"
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect-test-home}"
 # pytest exits 5 when it collected no tests: that is a failure here, like any other non-zero code.
 exec .venv/bin/python -m pytest "$@"

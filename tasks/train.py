@@ -11,9 +11,14 @@ from miles_core.run import RolloutRef, RunRefs, TrainRef, get_session
 from miles_core.run import prepare_run as _prepare_run
 
 
-@task(name="prepare-run", cache_policy=NO_CACHE)
+@task(name="prepare-run", cache_policy=NO_CACHE, task_run_name="prepare-run")
 def prepare_run(cfg: RunConfig) -> RunRefs:
     return _prepare_run(cfg, log=get_run_logger().info)
+
+
+@task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
+def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
+    return get_session(cfg, refs).check_data()
 
 
 @task(name="rollout", cache_policy=NO_CACHE, task_run_name="rollout-{step}")

@@ -1,0 +1,80 @@
+"""The sync train flow end to end under a real (session-scoped) Prefect backend, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def prefect_backend():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield
+
+
+def _tiny_run(tmp_path: Path, model_dir: Path, **overrides):
+    from miles_core.config import RunConfig
+
+    raw = {
+        "name": "flow-test",
+        "model": {"path": str(model_dir)},
+        "data": {"type": "toy", "num_prompts": 64},
+        "rollout": {"num_rollout": 3, "rollout_batch_size": 4, "n_samples_per_prompt": 4, "rollout_max_response_len": 4},
+        "train": {"global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3},
+        "eval": {"eval_interval": 2, "num_prompts": 8},
+        "storage": {"root": str(tmp_path / "runs")},
+    }
+    for key, value in overrides.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return RunConfig.model_validate(raw)
+
+
+def test_sync_flow_completes_and_lands_everything(prefect_backend, tiny_model_dir, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from flows.train import train
+
+    cfg = _tiny_run(tmp_path, tiny_model_dir)
+    state = train(cfg, return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    run_dir = Path(summary["run_dir"])
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # 16 samples per rollout, global batch 8: two optimizer steps per rollout, versions 2, 4, 6
+    assert [r["version"] for r in rows] == [2, 4, 6]
+    for key in ("reward_mean", "accuracy", "response_len_mean", "truncated_ratio", "loss", "kl", "grad_norm",
+                "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s"):
+        assert key in rows[0], key
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 3] and evals[-1]["weight_version"] == 6
+    assert summary["final_version"] == 6 and summary["accuracy_before"] is not None
+    assert len(list((run_dir / "samples" / "rollout").glob("*.arrow"))) == 3
+    assert json.loads((run_dir / "config.json").read_text())["name"] == "flow-test"
+
+    import asyncio
+
+    async def artifacts():
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(state.state_details.flow_run_id)
+            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+            )
+            task_runs = await client.read_task_runs()
+            return found, [t.name for t in task_runs if t.flow_run_id == flow_run.id]
+
+    found, task_names = asyncio.run(artifacts())
+    assert {a.type for a in found} >= {"progress", "table", "markdown"}
+    for name in ("prepare-run", "rollout-0", "train-0", "push-weights-v2", "evaluate-step-0"):
+        assert name in task_names, (name, task_names)

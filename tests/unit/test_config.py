@@ -1,0 +1,121 @@
+"""RunConfig, the command-line flags, shipped configs and light imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_core.cli import FLAGS, build_parser, resolve_config
+from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*argv: str) -> RunConfig:
+    return resolve_config(build_parser().parse_args(["show-config", *argv]))
+
+
+@pytest.mark.parametrize("module", ["miles_core.config", "miles_core.types", "miles_core.cli", "flows.train"])
+def test_light_modules_import_without_heavy_backends(module):
+    code = (
+        f"import sys, {module}\n"
+        "heavy = [m for m in ('torch', 'transformers', 'sglang', 'deepspeed', 'peft') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_help_path_imports_neither_torch_nor_prefect():
+    code = (
+        "import sys\n"
+        "from deployments.cli import main\n"
+        "try:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'prefect' not in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True)
+    assert "--rollout-batch-size" in out.stdout and "--n-samples-per-prompt" in out.stdout
+
+
+def test_flags_set_their_fields():
+    cfg = _cfg(
+        "--num-rollout", "7", "--rollout-batch-size", "16", "--n-samples-per-prompt", "4",
+        "--global-batch-size", "32", "--rollout-max-response-len", "12", "--rollout-temperature", "0.7",
+        "--lr", "3e-4", "--eval-interval", "none", "--kl-loss-type", "low_var_kl", "--kl-coef", "0.01",
+        "--use-rollout-logprobs", "--no-rollout-shuffle", "--rollout-stop", "\n", "###",
+    )
+    assert (cfg.rollout.num_rollout, cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt) == (7, 16, 4)
+    assert cfg.train.global_batch_size == 32 and cfg.train.lr == 3e-4
+    assert cfg.rollout.rollout_max_response_len == 12 and cfg.rollout.rollout_temperature == 0.7
+    assert cfg.eval.eval_interval is None  # "none" clears an optional field
+    assert cfg.train.kl_type == "k3" and cfg.train.kl_coef == 0.01  # Miles' low_var_kl is k3
+    assert cfg.train.old_logprobs == "rollout"
+    assert cfg.rollout.rollout_shuffle is False
+    assert cfg.rollout.rollout_stop == ["\n", "###"]
+
+
+def test_prompt_data_flags_make_a_file_dataset_and_eval_inherits_keys():
+    cfg = _cfg("--prompt-data", "gsm8k/train.jsonl", "--input-key", "question", "--label-key", "answer",
+               "--eval-prompt-data", "gsm8k/test.jsonl", "--rm-type", "gsm8k")
+    assert isinstance(cfg.data, FileDataConfig) and cfg.data.input_key == "question"
+    assert isinstance(cfg.eval.data, FileDataConfig)
+    assert (cfg.eval.data.path, cfg.eval.data.input_key, cfg.eval.data.label_key) == ("gsm8k/test.jsonl", "question", "answer")
+    assert cfg.rollout.reward == "gsm8k"
+
+
+def test_flags_override_toml_and_set_reaches_any_field(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('name = "x"\n[rollout]\nrollout_batch_size = 8\nnum_rollout = 3\n[train]\nlr = 0.1\n')
+    cfg = _cfg("--config", str(path), "--rollout-batch-size", "16", "--set", "train.clip_grad=0.5",
+               "--set", "model.tiny.hidden_size=64")
+    assert cfg.name == "x" and cfg.rollout.num_rollout == 3 and cfg.train.lr == 0.1
+    assert cfg.rollout.rollout_batch_size == 16 and cfg.train.clip_grad == 0.5
+    assert cfg.model.tiny.hidden_size == 64
+
+
+def test_bad_config_errors_name_the_file_and_field(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nlearning_rate = 0.1\n")
+    with pytest.raises(ValueError, match=r"bad\.toml.*\n(.|\n)*train\.learning_rate"):
+        RunConfig.from_toml(path)
+    path.write_text("[train\n")
+    with pytest.raises(ValueError, match="bad.toml: not valid TOML"):
+        RunConfig.from_toml(path)
+    with pytest.raises(FileNotFoundError, match="missing.toml"):
+        RunConfig.from_toml(tmp_path / "missing.toml")
+
+
+def test_file_flags_without_a_file_dataset_are_refused():
+    with pytest.raises(SystemExit, match="--prompt-data"):
+        _cfg("--input-key", "question")
+
+
+def test_global_batch_must_divide_the_rollout_batch():
+    with pytest.raises(ValueError, match="global_batch_size=48 must divide"):
+        RunConfig.model_validate({"rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 8}, "train": {"global_batch_size": 48}})
+
+
+def test_every_flag_points_at_a_field():
+    for flag, path in FLAGS.items():
+        build_parser()  # the parser itself resolves each path; this loop names a broken one
+        assert path.split(".")[0] in RunConfig.model_fields, flag
+
+
+def test_public_dict_drops_storage_secrets():
+    cfg = RunConfig.model_validate({"storage": {"root": "s3://b/runs", "storage_options": {"secret": "hunter2"}}})
+    assert "hunter2" not in str(cfg.public_dict()) and "hunter2" not in repr(cfg)
+    assert isinstance(RunConfig().data, ToyDataConfig)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(path):
+    RunConfig.from_toml(path)
+
+
+def test_config_reference_is_current():
+    from miles_core.config_doc import config_markdown
+
+    doc = (REPO / "docs" / "config.md").read_text()
+    assert doc == config_markdown(), "docs/config.md is stale: run `miles config-doc > docs/config.md`"
