@@ -32,8 +32,7 @@ def _tiny_run(tmp_path: Path, model_dir: Path, **overrides):
         "eval": {"eval_interval": 2, "num_prompts": 8},
         "storage": {"root": str(tmp_path / "runs")},
     }
-    for key, value in overrides.items():
-        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    raw.update(overrides)
     return RunConfig.model_validate(raw)
 
 
@@ -78,3 +77,38 @@ def test_sync_flow_completes_and_lands_everything(prefect_backend, tiny_model_di
     assert {a.type for a in found} >= {"progress", "table", "markdown"}
     for name in ("prepare-run", "rollout-0", "train-0", "push-weights-v2", "evaluate-step-0"):
         assert name in task_names, (name, task_names)
+
+
+def test_bad_dataset_fails_the_run_before_any_rollout(prefect_backend, tiny_model_dir, tmp_path):
+    from flows.train import train
+
+    missing = tmp_path / "nope.jsonl"
+    cfg = _tiny_run(tmp_path, tiny_model_dir, data={"type": "file", "path": str(missing)},
+                    eval={"data": {"type": "file", "path": str(missing)}, "num_prompts": 4})
+    state = train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        state.result()
+    run_dirs = list((tmp_path / "runs" / "flow-test").iterdir())
+    assert not list(run_dirs[0].glob("samples/*/*.arrow")), "no rollout may run on a bad dataset"
+
+
+def test_cli_train_runs_a_flow_and_prints_the_before_after_table(tiny_model_dir, tmp_path):
+    """`miles train` as a user runs it: flags on top of defaults, Prefect's ephemeral API, a table."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "train", "--hf-checkpoint", str(tiny_model_dir),
+         "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+         "--rollout-max-response-len", "3", "--eval-num-prompts", "4", "--storage-root", str(tmp_path / "runs")],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting policy" in out.stdout and "after   2 GRPO steps" in out.stdout
+    assert str(tmp_path / "runs") in out.stdout
+    assert "step   2/2" in out.stdout + out.stderr
