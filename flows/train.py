@@ -74,7 +74,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 log.info(_eval_line(f"after step {step + 1}", after))
             update_progress_artifact(progress, 100.0 * (step + 1) / total)
         summary = _summary(cfg, refs, session, before, after, time.perf_counter() - t_start)
-        session.write_summary(summary)
+        session.finish(summary)
         _publish_artifacts(cfg, summary, session)
         return summary
     finally:

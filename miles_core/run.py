@@ -254,7 +254,9 @@ class RunSession:
     def metrics_rows(self) -> list[dict[str, Any]]:
         return list(self._metrics)
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, Any]) -> None:
+        """End the run's sample stream (readers see ``_END``) and write ``summary.json``."""
+        self.stream.close()
         self.layout.write_json("summary.json", summary)
 
     def close(self) -> None:
