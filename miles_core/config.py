@@ -36,7 +36,11 @@ class _Base(BaseModel):
 class TinyModelRecipe(_Base):
     """Recipe of the built-in tiny Llama-config model and its supervised warm start.
 
-    The recipe's hash names the cache folder, so changing any field builds a new model once."""
+    The warm start has two phases: ``sft_steps`` on true sums, then ``sft_mistake_steps`` in which
+    carry problems are often labelled with the carry-free sum (``37+45=72``), a deliberate
+    systematic mistake. The starting policy then answers most carry problems wrong when greedy but
+    right in some samples, which RL can learn to fix. The recipe's hash names the cache folder, so
+    changing any field builds a new model once."""
 
     hidden_size: int = 128
     """Width of the residual stream."""
@@ -46,12 +50,24 @@ class TinyModelRecipe(_Base):
     """Attention heads (key/value heads are the same number)."""
     intermediate_size: int = 256
     """Width of the MLP."""
-    sft_steps: int = 600
-    """Optimizer steps of the supervised warm start."""
+    sft_steps: int = 3000
+    """Optimizer steps of the warm start's first phase (true sums)."""
+    sft_mistake_steps: int = 400
+    """Optimizer steps of the warm start's second phase (carry-free mistake; 0: no such phase)."""
+    sft_carry_free_share: float = Field(default=0.8, ge=0.0, le=1.0)
+    """In the second phase, the probability that a carry problem drawn into a batch is labelled
+    with its carry-free sum."""
+    sft_mistake_lr: float = 1e-3
+    """Peak learning rate of the second phase (lower than ``sft_lr`` so the mistake stays a habit
+    that sampling still sometimes breaks, rather than a certainty)."""
     sft_batch_size: int = 64
     """Examples per warm-start step."""
     sft_lr: float = 3e-3
-    """Peak learning rate of the warm start (cosine decay)."""
+    """Peak learning rate of the first phase (short warmup, cosine decay to 0)."""
+    sft_examples: int = 2000
+    """Distinct problems in the warm-start corpus (from the toy task's ``sft`` split)."""
+    max_operand: int = 99
+    """Operand range 0..max_operand of the warm-start corpus."""
     seed: int = 0
     """Seed of the weights init and of the warm-start data."""
 
@@ -179,8 +195,8 @@ class TrainConfig(_Base):
     """Samples per optimizer step (None: the whole rollout batch, one step per rollout)."""
     micro_batch_size: int = 64
     """Samples per forward/backward pass; gradients accumulate up to ``global_batch_size``."""
-    lr: float = 1e-3
-    """AdamW learning rate (constant)."""
+    lr: float = 1e-4
+    """AdamW learning rate (constant). 1e-4 suits the tiny demo model; real models want ~1e-6."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
