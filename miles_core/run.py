@@ -13,15 +13,17 @@ Prefect tasks in ``tasks/`` call these methods; ``flows/train.py`` orders them.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
 from miles_core.rollout.generate import PromptItem, generate_groups, rollout_metrics, sampling_params
+
+
+_SOURCE_STATE = "state/data_source.json"
 
 
 @dataclass
@@ -137,7 +139,11 @@ class RunSession:
         from miles_core.data.source import DataSource
 
         rows = _prompt_rows(self.cfg.data, "train")
-        return DataSource(rows, seed=self.cfg.seed, shuffle=self.cfg.rollout.rollout_shuffle)
+        source = DataSource(rows, seed=self.cfg.seed, shuffle=self.cfg.rollout.rollout_shuffle)
+        saved = self.layout.read_json(_SOURCE_STATE)
+        if saved is not None:  # a rebuilt session goes on from the prompt cursor of the last rollout
+            source.load_state(saved)
+        return source
 
     @cached_property
     def eval_items(self) -> list[PromptItem]:
@@ -188,7 +194,7 @@ class RunSession:
         t_gen = time.perf_counter() - t0
         stats = self._run(score_groups(self.reward_fn, groups))
         offset = self.stream.append([s for g in groups for s in g.samples])
-        self.layout.write_json("state/data_source.json", self.source.state())
+        self.layout.write_json(_SOURCE_STATE, self.source.state())
         metrics = rollout_metrics(groups)
         metrics.update(
             rollout_seconds=time.perf_counter() - t0,
@@ -282,6 +288,3 @@ def close_session(refs: RunRefs) -> None:
     if session is not None:
         session.close()
 
-
-def to_dict(ref) -> dict[str, Any]:
-    return json.loads(json.dumps(asdict(ref)))

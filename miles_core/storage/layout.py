@@ -21,7 +21,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from miles_core.storage.fs import atomic_write, join, open_fs, to_url
+from miles_core.storage.fs import atomic_write, join, open_fs, read_bytes, to_url
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -97,6 +97,11 @@ class RunLayout:
         """Replace the JSON file ``rel`` under the run folder atomically; returns its URL."""
         atomic_write(self.fs, join(self.path, rel), json.dumps(obj, indent=2, sort_keys=True).encode())
         return self.url(rel)
+
+    def read_json(self, rel: str) -> Any | None:
+        """The JSON file ``rel`` under the run folder, or None when it does not exist."""
+        data = read_bytes(self.fs, join(self.path, rel))
+        return None if data is None else json.loads(data)
 
     def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> str:
         """Replace the JSON-lines file ``rel`` (object stores cannot append, so the whole file)."""
