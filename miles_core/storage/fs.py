@@ -3,6 +3,10 @@
 - ``open_fs(url)`` resolves a URL (or a plain local path) to a filesystem and a root path.
 - ``atomic_write(fs, path, data)`` makes a file visible only when whole.
 - ``join`` / ``to_url`` / ``basename`` build and print paths the same way on every backend.
+- ``create_only_write`` never overwrites (S3 ``If-None-Match: *``, local ``os.link``);
+  ``read_with_tag`` / ``cas_write`` do compare-and-swap (S3 ``If-Match: <etag>``);
+  ``list_after`` lists only names after a cursor (S3 ``StartAfter``).
+- ``RetryPolicy`` / ``with_retries``: bounded back-off on transient endpoint errors.
 
 Everything in ``miles_core.storage`` reaches storage through these, so a backend's quirks
 (local files need temp + rename; object stores make a PUT visible whole) live in one place.
@@ -10,13 +14,25 @@ Everything in ``miles_core.storage`` reaches storage through these, so a backend
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import hashlib
+import logging
 import os
+import threading
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -27,12 +43,18 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
     """
     options = dict(storage_options or {})
     options.setdefault("use_listings_cache", False)
+    if str(url).startswith(("s3://", "s3a://")):
+        # Our RetryPolicy bounds the retries; botocore's own would multiply them.
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        config.setdefault("connect_timeout", 2)
+        options["config_kwargs"] = config
     try:
         fs, path = url_to_fs(str(url), **options)
     except ImportError as e:
         raise ImportError(f"cannot open {url!r}: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"cannot open {url!r}: {e}") from e
+    except (ValueError, TypeError) as e:  # never echo the options: they may hold credentials
+        raise ValueError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
     return fs, path.rstrip("/") or path
 
 
@@ -111,3 +133,280 @@ def list_names(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
     except FileNotFoundError:
         return []
     return [basename(e) for e in entries]
+
+
+# ------------------------------------------------------------------------------- object stores
+
+
+def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("s3", "s3a")
+
+
+def endpoint_name(fs: fsspec.AbstractFileSystem) -> str:
+    """What to call the storage endpoint in an error message: the endpoint URL only, never keys."""
+    if is_s3(fs):
+        url = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+        return url or "AWS S3 (default endpoint)"
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}://"
+
+
+def _split_s3(fs: fsspec.AbstractFileSystem, path: str) -> tuple[str, str]:
+    bucket, key, _ = fs.split_path(path)
+    return bucket, key
+
+
+# ------------------------------------------------------------------------------------ retries
+
+
+class StorageUnavailableError(OSError):
+    """The storage endpoint kept failing with transient errors until the retry budget ran out."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential back-off for transient endpoint errors (connection refused/reset, 5xx,
+    timeouts). The defaults give 6 attempts within about 10 s. Missing objects, existing objects,
+    permission errors and corrupt data are never retried.
+
+    ``retry_missing_bucket``: also retry "bucket does not exist". Off by default (it is a
+    configuration error on a real store); an endpoint that restarts without its state (moto in
+    tests) comes back without the bucket until someone re-creates it.
+    """
+
+    attempts: int = 6
+    initial_delay: float = 0.2
+    multiplier: float = 2.0
+    max_delay: float = 3.2
+    deadline: float = 10.0
+    retry_missing_bucket: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.initial_delay < 0 or self.multiplier < 1 or self.deadline <= 0:
+            raise ValueError(f"invalid RetryPolicy {self}")
+
+    def delays(self):
+        delay = self.initial_delay
+        for _ in range(self.attempts - 1):
+            yield min(delay, self.max_delay)
+            delay *= self.multiplier
+
+
+DEFAULT_RETRY = RetryPolicy()
+NO_RETRY = RetryPolicy(attempts=1)
+
+_TRANSIENT_ERRNOS = {
+    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+    errno.EBUSY, errno.EAGAIN, getattr(errno, "EREMOTEIO", 121), errno.EHOSTUNREACH, errno.ENETUNREACH,
+}
+_TRANSIENT_NAMES = {
+    # botocore / aiohttp / urllib3 connection and timeout errors, by class name so that none of
+    # these packages is needed to import this module
+    "EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
+    "HTTPClientError", "ProxyConnectionError", "ClientConnectorError", "ServerDisconnectedError",
+    "ClientOSError", "ClientPayloadError", "ServerTimeoutError", "IncompleteRead", "ResponseParserError",
+    "FSTimeoutError",
+}
+
+
+def is_transient(error: BaseException, policy: RetryPolicy = DEFAULT_RETRY) -> bool:
+    """True for errors worth retrying: the endpoint was unreachable, slow or failing (5xx)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    if isinstance(error, FileExistsError | PermissionError | ValueError | TypeError):
+        return False
+    if isinstance(error, FileNotFoundError):
+        return policy.retry_missing_bucket and "bucket" in str(error).lower()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ConnectionError | TimeoutError | asyncio.TimeoutError):
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = str(response.get("Error", {}).get("Code", ""))
+            if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"):
+                return True
+            if policy.retry_missing_bucket and code == "NoSuchBucket":
+                return True
+            return False
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def with_retries(
+    fn: Callable[[], T], what: str, fs: fsspec.AbstractFileSystem, policy: RetryPolicy = DEFAULT_RETRY
+) -> T:
+    """``fn()``, retried on transient errors per ``policy``; then StorageUnavailableError naming
+    ``what`` (an object URI) and the endpoint URL. Other errors propagate unchanged."""
+    start = time.monotonic()
+    delays = policy.delays()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as e:
+            if not is_transient(e, policy):
+                raise
+            delay = next(delays, None)
+            elapsed = time.monotonic() - start
+            if delay is None or elapsed + delay > policy.deadline:
+                raise StorageUnavailableError(
+                    errno.EIO,
+                    f"{what}: storage endpoint {endpoint_name(fs)} still failing after {attempt} attempt(s) "
+                    f"over {elapsed:.1f}s: {type(e).__name__}: {e}",
+                ) from e
+            log.warning("%s: transient storage error (attempt %d, retry in %.2fs): %s: %s",
+                        what, attempt, delay, type(e).__name__, e)
+            time.sleep(delay)
+
+
+# ----------------------------------------------------------------------------- create-only writes
+
+_memory_lock = threading.Lock()
+
+
+def create_only_write(
+    fs: fsspec.AbstractFileSystem, path: str, data: bytes, policy: RetryPolicy = DEFAULT_RETRY
+) -> None:
+    """Write ``data`` to ``path`` only if nothing is there; FileExistsError (naming the object)
+    otherwise. Visible only when whole on every backend.
+
+    s3://: a PUT with ``If-None-Match: *``. A retry after a lost response may find the object this
+    call wrote: identical bytes count as success. file://: temp file, fsync, then ``os.link`` to
+    the final name (fails if it exists). memory://: check and store under a process-wide lock.
+    """
+    uri = to_url(fs, path)
+    if is_local(fs):
+        _create_only_local(path, data, uri)
+        return
+    if not is_s3(fs):
+        with _memory_lock:
+            if fs.exists(path):
+                raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it")
+            fs.pipe_file(path, data)
+        return
+    failed_before = False
+
+    def put() -> None:
+        nonlocal failed_before
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            if failed_before and read_bytes(fs, path) == data:
+                return  # our own earlier attempt landed; its response was lost
+            raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it") from None
+        except Exception as e:
+            failed_before = failed_before or is_transient(e, policy)
+            raise
+
+    with_retries(put, f"create {uri}", fs, policy)
+
+
+def _create_only_local(path: str, data: bytes, uri: str) -> None:
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+# ------------------------------------------------------------------------- compare-and-swap
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost a race: the object changed (or appeared) since it was read."""
+
+
+def read_with_tag(fs: fsspec.AbstractFileSystem, path: str) -> tuple[bytes | None, str | None]:
+    """The object's bytes and a tag for ``cas_write`` (S3: the ETag; elsewhere the bytes' hash).
+    (None, None) when it does not exist."""
+    if is_s3(fs):
+        bucket, key = _split_s3(fs, path)
+        try:
+            return fsspec.asyn.sync(fs.loop, _s3_get, fs, bucket, key)
+        except FileNotFoundError:
+            return None, None
+    data = read_bytes(fs, path)
+    return data, None if data is None else hashlib.sha256(data).hexdigest()
+
+
+async def _s3_get(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
+    out = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    async with out["Body"] as body:
+        data = await body.read()
+    return data, out["ETag"]
+
+
+def cas_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tag: str | None) -> None:
+    """Replace ``path`` with ``data`` only if it still has ``tag`` (from ``read_with_tag``);
+    ``tag=None``: only if it does not exist. PreconditionFailed when another writer got there first.
+
+    s3://: ``If-Match: <etag>`` / ``If-None-Match: *``. Local and memory: a process-wide lock
+    (one machine; good enough for tests and single-node runs)."""
+    if is_s3(fs):
+        bucket, key = _split_s3(fs, path)
+        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        try:
+            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
+        except FileExistsError as e:
+            raise PreconditionFailed(f"{to_url(fs, path)} appeared meanwhile") from e
+        except OSError as e:
+            if e.errno == errno.EINVAL and "precondition" in str(e).lower() or _status(e) in (409, 412):
+                raise PreconditionFailed(f"{to_url(fs, path)} changed meanwhile") from e
+            raise
+        fs.invalidate_cache(path)
+        return
+    with _memory_lock:
+        _, current = read_with_tag(fs, path)
+        if current != tag:
+            raise PreconditionFailed(f"{to_url(fs, path)} changed meanwhile")
+        atomic_write(fs, path, data)
+
+
+def _status(e: BaseException) -> int:
+    cause = e.__cause__
+    response = getattr(cause, "response", None)
+    if isinstance(response, dict):
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return 0
+
+
+def list_after(fs: fsspec.AbstractFileSystem, folder: str, start_after: str | None) -> list[str]:
+    """Base names in ``folder`` that sort after ``start_after`` (all if None), ascending.
+
+    s3://: ``list_objects_v2(Prefix=folder/, StartAfter=folder/start_after)``, paged: only new keys
+    travel. Elsewhere: a full listing, filtered."""
+    if not is_s3(fs):
+        names = sorted(list_names(fs, folder))
+        return names if start_after is None else [n for n in names if n > start_after]
+    bucket, key = _split_s3(fs, folder)
+    prefix = key.rstrip("/") + "/" if key else ""
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    if start_after is not None:
+        kwargs["StartAfter"] = prefix + start_after
+    names: list[str] = []
+    while True:
+        out = fs.call_s3("list_objects_v2", **kwargs)
+        names.extend(obj["Key"][len(prefix):] for obj in out.get("Contents", []))
+        if not out.get("IsTruncated"):
+            return [n for n in names if n and "/" not in n]
+        kwargs["ContinuationToken"] = out["NextContinuationToken"]

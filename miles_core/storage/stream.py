@@ -8,10 +8,17 @@ Parts:
   new reader of the same name (after a restart) resumes from the last commit.
 - ``Segment``: one decoded segment (``offset``, ``uri``, ``table``, ``samples()``).
 
-Visibility: a segment appears under its final name only when whole (``atomic_write``), and
-readers consider only names that match ``<12 digits>.arrow`` exactly, so temp files and other
-stray objects are ignored. There is one writer per producer prefix: the producer counts offsets
-in memory, starting after the highest segment present when it first appends.
+Visibility: a segment appears under its final name only when whole, and readers consider only
+names that match ``<12 digits>.arrow`` exactly, so temp files and other stray objects are ignored.
+There is one writer per producer prefix: the producer counts offsets in memory, starting after
+the highest segment present when it first appends. Segments are written create-only
+(``create_only_write``: S3 ``If-None-Match: *``, local ``os.link``), so a duplicated or restarted
+producer that collides with an existing segment gets a FileExistsError naming the object instead
+of overwriting it.
+
+On S3, ``offsets(after)`` lists with ``StartAfter`` (only new keys travel), and every storage call
+is retried on transient endpoint errors per the stream's ``RetryPolicy`` (then
+``StorageUnavailableError`` naming the object and the endpoint URL).
 
 Segments are plain Arrow: ``pyarrow.ipc.open_stream`` (or DuckDB, Polars) reads them.
 """
@@ -24,7 +31,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles_core.storage.fs import atomic_write, join, list_names, open_fs, read_bytes, to_url
+from miles_core.storage.fs import (
+    DEFAULT_RETRY,
+    RetryPolicy,
+    atomic_write,
+    create_only_write,
+    join,
+    list_after,
+    open_fs,
+    read_bytes,
+    to_url,
+    with_retries,
+)
 from miles_core.storage.layout import check_name, cursor_file, samples_dir
 from miles_core.types import SCHEMA_VERSION, Group, Sample, arrow_schema, flatten, samples_to_table, table_to_samples
 
@@ -65,8 +83,15 @@ class Segment:
 class SampleStream:
     """The stream of sample batches that ``producer`` writes into a run folder."""
 
-    def __init__(self, run_dir_url: str, producer: str = "rollout", storage_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir_url: str,
+        producer: str = "rollout",
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ):
         self.fs, self.run_dir = open_fs(run_dir_url, storage_options)
+        self.retry = retry or DEFAULT_RETRY
         self.producer = check_name("producer", producer)
         self.path = join(self.run_dir, samples_dir(producer))
         self._next_offset: int | None = None  # producer side, set on first append
@@ -88,7 +113,14 @@ class SampleStream:
         """Write one segment; returns its offset. The segment becomes visible only when whole."""
         table = _as_table(samples)
         offset = self._claim_offset()
-        atomic_write(self.fs, join(self.path, segment_name(offset)), _encode(table))
+        try:
+            create_only_write(self.fs, join(self.path, segment_name(offset)), _encode(table), self.retry)
+        except FileExistsError as e:
+            raise FileExistsError(
+                e.errno,
+                f"sample segment {self.segment_uri(offset)} already exists: another producer named "
+                f"{self.producer!r} is writing {self.uri}; refusing to overwrite it",
+            ) from None
         self._next_offset = offset + 1
         return offset
 
@@ -100,7 +132,9 @@ class SampleStream:
         if end is not None:
             return end
         last = self._claim_offset() - 1
-        atomic_write(self.fs, join(self.path, END_MARKER), json.dumps({"last_offset": last}).encode())
+        path = join(self.path, END_MARKER)
+        data = json.dumps({"last_offset": last}).encode()
+        self._call(lambda: atomic_write(self.fs, path, data), path)
         self._end = last
         return last
 
@@ -119,11 +153,11 @@ class SampleStream:
     def offsets(self, after: int = -1) -> list[int]:
         """Offsets of the whole segments after ``after``, ascending.
 
-        Lists the producer prefix and filters by name. Fine for local and memory storage; on S3
-        this becomes a ``list_objects_v2(StartAfter=<name of after>)`` call (a later issue), which
-        is why listing is this one method."""
+        On S3 one ``list_objects_v2(StartAfter=<name of after>)`` (paged): a poll loop transfers
+        only new keys. Local and memory storage list the folder and filter by name."""
+        start = segment_name(after) if after >= 0 else None
         found = []
-        for name in list_names(self.fs, self.path):
+        for name in self._call(lambda: list_after(self.fs, self.path, start), self.path):
             m = SEGMENT_NAME.match(name)
             if m and int(m.group(1)) > after:
                 found.append(int(m.group(1)))
@@ -141,7 +175,8 @@ class SampleStream:
     def read_segment(self, offset: int) -> Segment:
         """The segment at ``offset``; FileNotFoundError if there is none, ValueError if it is bad."""
         uri = self.segment_uri(offset)
-        data = read_bytes(self.fs, join(self.path, segment_name(offset)))
+        path = join(self.path, segment_name(offset))
+        data = self._call(lambda: read_bytes(self.fs, path), path)
         if data is None:
             raise FileNotFoundError(f"no sample segment at offset {offset}: {uri} does not exist")
         return Segment(offset=offset, uri=uri, table=_decode(data, uri))
@@ -150,10 +185,14 @@ class SampleStream:
         """The last offset if the stream is closed, else None."""
         if self._end is None:
             path = join(self.path, END_MARKER)
-            data = read_bytes(self.fs, path)
+            data = self._call(lambda: read_bytes(self.fs, path), path)
             if data is not None:
                 self._end = _parse_json_field(data, "last_offset", to_url(self.fs, path))
         return self._end
+
+    def _call(self, fn, path: str):
+        """``fn()`` with this stream's retry policy; errors name the object at ``path``."""
+        return with_retries(fn, to_url(self.fs, path), self.fs, self.retry)
 
     def reader(self, name: str) -> StreamReader:
         """A consumer named ``name``, resuming from its last committed cursor."""
@@ -195,8 +234,8 @@ class StreamReader:
         rewinds the durable cursor, not ``position``."""
         if not isinstance(offset, int) or offset < -1:
             raise ValueError(f"reader {self.name!r}: cursor offset must be an int >= -1, got {offset!r}")
-        payload = {"reader": self.name, "producer": self.stream.producer, "offset": offset}
-        atomic_write(self.stream.fs, self._cursor_path, json.dumps(payload).encode())
+        data = json.dumps({"reader": self.name, "producer": self.stream.producer, "offset": offset}).encode()
+        self.stream._call(lambda: atomic_write(self.stream.fs, self._cursor_path, data), self._cursor_path)
         self._cursor = offset
         self.position = max(self.position, offset)
 
@@ -217,7 +256,7 @@ class StreamReader:
             time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
     def _load_cursor(self) -> int:
-        data = read_bytes(self.stream.fs, self._cursor_path)
+        data = self.stream._call(lambda: read_bytes(self.stream.fs, self._cursor_path), self._cursor_path)
         if data is None:
             return -1
         return _parse_json_field(data, "offset", self.cursor_uri)

@@ -5,7 +5,13 @@
   v000003/model.safetensors   the state dict after 3 optimizer steps
   v000003/_COMMITTED          written last: only committed versions exist for readers
   LATEST                      text: the highest published version (a hint, checked on read)
+  pins/v000003/<reader>       durable pins: retention never deletes a pinned version
 ```
+
+``LATEST`` moves by compare-and-swap (S3 ``If-Match: <etag>`` / ``If-None-Match: *``), and only
+upwards, so two concurrent publishers never move it backwards. ``retain(keep_last)`` deletes old
+versions (the ``_COMMITTED`` marker first, so readers never see a half-deleted version) except
+the newest ``keep_last``, the latest, and pinned ones.
 
 ``publish`` writes the tensors, then the commit marker, then ``LATEST``; a crash in between leaves
 an uncommitted folder that readers ignore and the next publish of that version overwrites.
@@ -22,7 +28,23 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from miles_core.storage.fs import atomic_write, basename, join, open_fs, read_bytes, to_url
+from miles_core.storage.fs import (
+    DEFAULT_RETRY,
+    PreconditionFailed,
+    RetryPolicy,
+    atomic_write,
+    basename,
+    cas_write,
+    create_only_write,
+    join,
+    list_names,
+    open_fs,
+    read_bytes,
+    read_with_tag,
+    to_url,
+    with_retries,
+)
+from miles_core.storage.layout import check_name
 
 if TYPE_CHECKING:
     import fsspec
@@ -31,6 +53,8 @@ if TYPE_CHECKING:
 MODEL_FILE = "model.safetensors"
 COMMITTED = "_COMMITTED"
 LATEST = "LATEST"
+PINS = "pins"
+_CAS_ATTEMPTS = 100
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -41,8 +65,11 @@ def version_dir(version: int) -> str:
 class WeightStore:
     """Weight snapshots of one policy (or adapter), one folder per version."""
 
-    def __init__(self, weights_dir_url: str, storage_options: dict[str, Any] | None = None):
+    def __init__(
+        self, weights_dir_url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+    ):
         self.fs, self.path = open_fs(weights_dir_url, storage_options)
+        self.retry = retry or DEFAULT_RETRY
 
     @property
     def base_uri(self) -> str:
@@ -65,23 +92,101 @@ class WeightStore:
         if self.is_committed(version):
             raise FileExistsError(f"weights version {version} is already published at {self.uri(version)}")
         data = _serialize(state_dict, {**(metadata or {}), "miles.version": str(version)})
-        atomic_write(self.fs, join(folder, MODEL_FILE), data)
-        marker = {"version": version, "files": {MODEL_FILE: len(data)}}
-        atomic_write(self.fs, join(folder, COMMITTED), json.dumps(marker).encode())
-        current = self._read_latest_hint()
-        if current is None or version > current:
-            atomic_write(self.fs, join(self.path, LATEST), str(version).encode())
+        model = join(folder, MODEL_FILE)
+        self._call(lambda: atomic_write(self.fs, model, data), model)
+        marker = json.dumps({"version": version, "files": {MODEL_FILE: len(data)}}).encode()
+        try:  # create-only: of two publishers of one version, exactly one commits
+            create_only_write(self.fs, join(folder, COMMITTED), marker, self.retry)
+        except FileExistsError:
+            raise FileExistsError(f"weights version {version} is already published at {self.uri(version)}") from None
+        self._advance_latest(version)
         return self.uri(version)
+
+    def _advance_latest(self, version: int) -> None:
+        """Move LATEST to ``version`` unless it already points at or past it (compare-and-swap)."""
+        path = join(self.path, LATEST)
+        for _ in range(_CAS_ATTEMPTS):
+            data, tag = self._call(lambda: read_with_tag(self.fs, path), path)
+            current = None if data is None else self._parse_latest(data)
+            if current is not None and current >= version:
+                return
+            try:
+                self._call(lambda: cas_write(self.fs, path, str(version).encode(), tag), path)
+                return
+            except PreconditionFailed:
+                continue  # another publisher moved it; re-read and compare again
+        raise RuntimeError(f"{to_url(self.fs, path)}: could not move to {version} in {_CAS_ATTEMPTS} attempts")
+
+    # ------------------------------------------------------------------------ pins, retention
+
+    def pin(self, version: int, reader: str) -> None:
+        """Durably protect ``version`` from ``retain`` on behalf of ``reader`` (idempotent)."""
+        path = self._pin_path(version, reader)
+        data = json.dumps({"version": version, "reader": reader}).encode()
+        self._call(lambda: atomic_write(self.fs, path, data), path)
+
+    def unpin(self, version: int, reader: str) -> None:
+        """Drop ``reader``'s pin of ``version`` (no error if there is none)."""
+        path = self._pin_path(version, reader)
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call(rm, path)
+
+    def pins(self) -> dict[int, set[str]]:
+        """Pinned versions and who pins them."""
+        root = join(self.path, PINS)
+        found: dict[int, set[str]] = {}
+        for folder in self._call(lambda: list_names(self.fs, root), root):
+            m = _VERSION_DIR.match(folder)
+            if m:
+                readers = set(self._call(lambda: list_names(self.fs, join(root, folder)), join(root, folder)))
+                if readers:
+                    found[int(m.group(1))] = readers
+        return found
+
+    def retain(self, keep_last: int, pinned: set[int] | None = None) -> list[int]:
+        """Delete committed versions except the newest ``keep_last``, the latest, ``pinned`` and
+        durably pinned ones; returns the deleted versions. The commit marker goes first, so a
+        reader sees a version whole or not at all (a reader that already resolved it may fail)."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        versions = self.versions()
+        keep = set(versions[-keep_last:]) | set(pinned or ()) | set(self.pins())
+        latest = self.latest()
+        if latest is not None:
+            keep.add(latest)
+        deleted = []
+        for version in versions:
+            if version in keep:
+                continue
+            folder = join(self.path, version_dir(version))
+            self._call(lambda: self.fs.rm_file(join(folder, COMMITTED)), join(folder, COMMITTED))
+            self._call(lambda: self.fs.rm(folder, recursive=True), folder)
+            deleted.append(version)
+        return deleted
+
+    def _pin_path(self, version: int, reader: str) -> str:
+        return join(self.path, PINS, version_dir(_check_version(version)), check_name("reader", reader))
+
+    def _call(self, fn, path: str):
+        return with_retries(fn, to_url(self.fs, path), self.fs, self.retry)
 
     # ------------------------------------------------------------------------------- reading
 
     def is_committed(self, version: int) -> bool:
-        return self.fs.exists(join(self.path, version_dir(_check_version(version)), COMMITTED))
+        path = join(self.path, version_dir(_check_version(version)), COMMITTED)
+        return self._call(lambda: self.fs.exists(path), path)
 
     def versions(self) -> list[int]:
         """Committed versions, ascending."""
         found = []
-        for marker in self.fs.glob(join(self.path, "v*", COMMITTED)):
+        pattern = join(self.path, "v*", COMMITTED)
+        for marker in self._call(lambda: self.fs.glob(pattern), self.path):
             m = _VERSION_DIR.match(basename(marker.rsplit("/", 1)[0]))
             if m:
                 found.append(int(m.group(1)))
@@ -131,9 +236,11 @@ class WeightStore:
         return join(self.path, version_dir(version))
 
     def _read_latest_hint(self) -> int | None:
-        data = read_bytes(self.fs, join(self.path, LATEST))
-        if data is None:
-            return None
+        path = join(self.path, LATEST)
+        data = self._call(lambda: read_bytes(self.fs, path), path)
+        return None if data is None else self._parse_latest(data)
+
+    def _parse_latest(self, data: bytes) -> int:
         try:
             return int(data.decode().strip())
         except ValueError:
