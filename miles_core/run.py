@@ -122,7 +122,9 @@ class RunSession:
         from miles_core.loop import LoopThread
 
         self._loop = LoopThread("miles-engine")
-        engine = setup_engine(self.cfg.engine, self.refs.model_dir, self.cfg.model.dtype, self.cfg.seed)
+        engine = setup_engine(
+            self.cfg.engine, self.refs.model_dir, self.cfg.model.dtype, self.cfg.seed, self.cfg.storage.storage_options
+        )
         latest = self.weights.latest()
         if latest is not None:  # a rebuilt session resumes from the newest published weights
             self._loop.run(engine.update_weights(self.weights.uri(latest), latest))
@@ -132,7 +134,10 @@ class RunSession:
     def trainer(self):
         from miles_core.train import setup_trainer
 
-        return setup_trainer(self.cfg.train, self.refs.model_dir, self.weights, self.cfg.model.dtype)
+        return setup_trainer(
+            self.cfg.train, self.refs.model_dir, self.weights, self.cfg.model.dtype,
+            storage_options=self.cfg.storage.storage_options,
+        )
 
     @cached_property
     def source(self):

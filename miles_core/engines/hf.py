@@ -66,7 +66,14 @@ class HFEngine:
     ``model_dir`` is a local Hugging Face folder; ``dtype`` is ``float32`` | ``bfloat16``;
     ``seed`` seeds the sampling of requests that carry no seed of their own."""
 
-    def __init__(self, model_dir: str, cfg: HFEngineConfig, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        cfg: HFEngineConfig,
+        dtype: str = "float32",
+        seed: int = 0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in _DTYPES:
@@ -74,6 +81,8 @@ class HFEngine:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
+        self.storage_options = dict(storage_options or {})
+        """fsspec options for reading weight snapshots (e.g. an S3 endpoint); never logged."""
         self.device = torch.device(cfg.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
@@ -305,7 +314,7 @@ class HFEngine:
         """Read the snapshot and check it against the model's keys and shapes. Tied weights (one
         tensor under several names, such as ``lm_head.weight`` and ``model.embed_tokens.weight``)
         may come under any of their names."""
-        state = read_safetensors(uri)
+        state = read_safetensors(uri, self.storage_options)
         own = self.model.state_dict()
         for names in _alias_groups(own):
             present = [n for n in names if n in state]
@@ -393,13 +402,13 @@ def _batch_key(p: SamplingParams) -> SamplingParams:
 # ------------------------------------------------------------------------------ weights I/O
 
 
-def read_safetensors(uri: str) -> dict[str, torch.Tensor]:
+def read_safetensors(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of the snapshot at ``uri``: a ``.safetensors`` file, or a folder holding
     ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``."""
     import fsspec
     from safetensors.torch import load
 
-    fs, path = fsspec.core.url_to_fs(uri)
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     if fs.isdir(path):
         files = _snapshot_files(fs, path.rstrip("/"), uri)
     elif fs.exists(path):
