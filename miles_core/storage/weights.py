@@ -23,9 +23,11 @@ torch and safetensors are imported inside the functions that need them.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_core.storage.fs import (
@@ -88,14 +90,55 @@ class WeightStore:
         self, version: int, state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
     ) -> str:
         """Write ``state_dict`` as ``version``; returns the version's URI. Versions are immutable."""
-        folder = join(self.path, version_dir(_check_version(version)))
-        if self.is_committed(version):
-            raise FileExistsError(f"weights version {version} is already published at {self.uri(version)}")
+        folder = self._new_version_folder(version)
         data = _serialize(state_dict, {**(metadata or {}), "miles.version": str(version)})
         model = join(folder, MODEL_FILE)
         self._call(lambda: atomic_write(self.fs, model, data), model)
-        marker = json.dumps({"version": version, "files": {MODEL_FILE: len(data)}}).encode()
-        try:  # create-only: of two publishers of one version, exactly one commits
+        return self._commit(version, folder, {MODEL_FILE: len(data)})
+
+    def publish_folder(self, version: int, local_dir: str | os.PathLike) -> str:
+        """Publish the files of a local folder as ``version`` (e.g. a LoRA adapter in PEFT's folder
+        format: ``adapter_config.json`` + ``adapter_model.safetensors``); returns the version's URI.
+        ``download`` brings it back as a folder that ``PeftModel.from_pretrained`` reads."""
+        files = sorted(p for p in Path(local_dir).iterdir() if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise ValueError(f"publish_folder: {local_dir} has no files to publish")
+        folder = self._new_version_folder(version)
+        sizes = {}
+        for f in files:
+            if f.name in (COMMITTED, LATEST):
+                raise ValueError(f"publish_folder: {f} uses a name the weight store reserves")
+            data = f.read_bytes()
+            target = join(folder, f.name)
+            self._call(lambda: atomic_write(self.fs, target, data), target)
+            sizes[f.name] = len(data)
+        return self._commit(version, folder, sizes)
+
+    def download(self, version: int | None, local_dir: str | os.PathLike) -> Path:
+        """Copy the files of a committed version (None: latest) into ``local_dir``; returns it."""
+        folder = self._committed_path(version)
+        marker = join(folder, COMMITTED)
+        listed = json.loads(self._call(lambda: self.fs.cat_file(marker), marker))["files"]
+        out = Path(local_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, size in listed.items():
+            path = join(folder, name)
+            data = self._call(lambda: self.fs.cat_file(path), path)
+            if len(data) != size:
+                raise ValueError(f"{to_url(self.fs, path)}: {len(data)} bytes, the commit marker says {size}")
+            (out / name).write_bytes(data)
+        return out
+
+    def _new_version_folder(self, version: int) -> str:
+        if self.is_committed(_check_version(version)):
+            raise FileExistsError(f"weights version {version} is already published at {self.uri(version)}")
+        return join(self.path, version_dir(version))
+
+    def _commit(self, version: int, folder: str, sizes: dict[str, int]) -> str:
+        """Write the commit marker (create-only: of two publishers of one version exactly one
+        commits), then move LATEST."""
+        marker = json.dumps({"version": version, "files": sizes}).encode()
+        try:
             create_only_write(self.fs, join(folder, COMMITTED), marker, self.retry)
         except FileExistsError:
             raise FileExistsError(f"weights version {version} is already published at {self.uri(version)}") from None

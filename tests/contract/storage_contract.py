@@ -58,6 +58,12 @@ def write_raw(stream: SampleStream, name: str, data: bytes) -> None:
     stream.fs.pipe_file(join(stream.path, name), data)
 
 
+def _empty_dir(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir(exist_ok=True)
+    return empty
+
+
 def state_dict(scale: float):
     import torch
 
@@ -270,6 +276,24 @@ class StorageContract:
         with pytest.raises(FileExistsError, match=re.escape(store.uri(1))):
             store.publish(1, state_dict(2.0))
         assert_same_tensors(store.load(1), state_dict(1.0))
+
+    def test_weights_folder_publish_and_download(self, root, tmp_path):
+        """An adapter-style folder (config + safetensors) round-trips byte for byte."""
+        src = tmp_path / "adapter"
+        src.mkdir()
+        (src / "adapter_config.json").write_text('{"r": 8}')
+        (src / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
+        (src / ".hidden").write_text("not published")
+        store = WeightStore(join(root, "adapters"), storage_options=self.so)
+        assert store.publish_folder(3, src) == store.uri(3)
+        assert store.latest() == 3 and store.versions() == [3]
+        out = store.download(None, tmp_path / "back")
+        assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert (out / "adapter_model.safetensors").read_bytes() == (src / "adapter_model.safetensors").read_bytes()
+        with pytest.raises(FileExistsError, match=re.escape(store.uri(3))):
+            store.publish_folder(3, src)
+        with pytest.raises(ValueError, match="no files"):
+            store.publish_folder(4, _empty_dir(tmp_path))
 
     def test_weights_missing_version_names_uri_and_available(self, root):
         store = WeightStore(join(root, "weights"), storage_options=self.so)
