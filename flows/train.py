@@ -16,6 +16,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 
+from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
 from miles_core.run import close_session, get_session
 from tasks.train import check_data, evaluate, prepare_run, push_weights, rollout, train_step
@@ -45,6 +46,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """Train a policy with GRPO; returns the run summary (before/after accuracy, where things are)."""
     log = get_run_logger()
     t_start = time.perf_counter()
+    cfg = with_block_credentials(cfg)
     refs = prepare_run(cfg)
     session = get_session(cfg, refs)
     log.info("run %s: %s", refs.run_id, refs.run_dir)

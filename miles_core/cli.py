@@ -63,6 +63,7 @@ FLAGS: dict[str, str] = {
     "--eval-num-prompts": "eval.num_prompts",
     "--skip-eval-before-train": "eval.skip_eval_before_train",
     "--storage-root": "storage.root",
+    "--storage-credentials-block": "storage.credentials_block",
 }
 # Flags whose value maps to a fixed setting (Miles spellings of our options).
 SWITCHES: dict[str, tuple[str, Any]] = {

@@ -262,6 +262,10 @@ class StorageConfig(_Base):
     """Root URL of runs: a local folder, ``file://...``, ``memory://...`` or ``s3://bucket/prefix``."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """fsspec options of the root's filesystem. Never written into the run folder or logs."""
+    credentials_block: str | None = None
+    """Name of a saved Prefect ``Secret`` block whose value is a JSON object of extra storage
+    options (e.g. ``{"key": ..., "secret": ...}``), merged into ``storage_options`` when the run
+    starts. Without it, s3fs takes credentials from the environment as usual."""
 
 
 # ------------------------------------------------------------------------------------------ run

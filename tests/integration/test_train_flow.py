@@ -136,3 +136,39 @@ def test_sync_flow_on_s3_moves_samples_and_weights_through_the_endpoint(prefect_
         assert "testing" not in fs.cat_file(f"{run}/config.json").decode()  # credentials stay out
         evals = [json.loads(line) for line in fs.cat_file(f"{run}/eval.jsonl").decode().splitlines()]
         assert evals[-1]["weight_version"] == 6
+
+
+def test_storage_credentials_come_from_a_prefect_secret_block(prefect_backend, tiny_model_dir, tmp_path, monkeypatch):
+    """No credentials in the config or the environment: the run gets them from a Secret block, and
+    they never reach the run folder."""
+    import fsspec
+    from prefect.blocks.system import Secret
+
+    from flows.train import train
+    from miles_core.storage.local_s3 import LocalS3
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask an instance-metadata endpoint
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+
+    with LocalS3() as s3:
+        root = s3.make_bucket("cred-runs") + "/runs"
+        Secret(value={"key": "block-key", "secret": "block-secret-123"}).save("s3-test-creds", overwrite=True)
+        opts = {k: v for k, v in s3.storage_options.items() if k not in ("key", "secret")}
+        storage = {"root": root, "storage_options": opts, "credentials_block": "s3-test-creds"}
+        cfg = _tiny_run(tmp_path, tiny_model_dir, storage=storage)
+        cfg.rollout.num_rollout = 1
+        state = train(cfg, return_state=True)
+        assert state.is_completed(), state
+        run = state.result()["run_dir"].removeprefix("s3://")
+        fs = fsspec.filesystem("s3", **s3.storage_options)
+        saved = fs.cat_file(f"{run}/config.json").decode()
+        assert "block-secret-123" not in saved and '"credentials_block": "s3-test-creds"' in saved
+
+        missing = _tiny_run(tmp_path, tiny_model_dir, storage={**storage, "credentials_block": "no-such-block"})
+        state = train(missing, return_state=True)
+        assert state.is_failed()
+        with pytest.raises(ValueError, match="no-such-block.*no such Secret block"):
+            state.result()
