@@ -15,6 +15,7 @@ Everything in ``miles_core.storage`` reaches storage through these, so a backend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import logging
@@ -96,7 +97,14 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 
 
 def _atomic_write_local(path: str, data: bytes) -> None:
-    """Temp file in the same folder (same filesystem, so rename is atomic), fsync, then rename.
+    """Temp file in the same folder (same filesystem, so rename is atomic), fsync, then rename."""
+    with _local_temp(path, data) as tmp:
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _local_temp(path: str, data: bytes):
+    """A fsynced temp file beside ``path`` holding ``data``; removed on exit if still there.
 
     The temp name starts with a dot and has a random suffix, so readers that match exact names
     ignore it, and a crashed writer leaves only a stray temp file behind.
@@ -105,17 +113,16 @@ def _atomic_write_local(path: str, data: bytes) -> None:
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        yield tmp
+    finally:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        raise
 
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
@@ -310,23 +317,12 @@ def create_only_write(
 
 
 def _create_only_local(path: str, data: bytes, uri: str) -> None:
-    folder, name = os.path.split(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    """Temp file, fsync, then ``os.link`` to the final name, which fails if the name exists."""
+    with _local_temp(path, data) as tmp:
         try:
             os.link(tmp, path)
         except FileExistsError:
             raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it") from None
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
 
 
 # ------------------------------------------------------------------------- compare-and-swap
