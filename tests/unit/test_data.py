@@ -12,7 +12,7 @@ from miles_core.config import FileDataConfig
 from miles_core.data import DataSource, PromptRow, load_prompt_rows, render_prompt, rows_from_dicts
 
 REPO = Path(__file__).resolve().parents[2]
-GSM8K_DIR = Path(os.environ.get("MILES_GSM8K_DIR", REPO.parent / "shared" / "datasets" / "gsm8k"))
+GSM8K_DIR = Path(os.environ.get("MILES_GSM8K_DIR", REPO / "datasets" / "gsm8k"))
 
 
 def write_jsonl(path: Path, lines: list[str]) -> str:
@@ -86,7 +86,6 @@ def test_memory_filesystem():
     assert load_prompt_rows(FileDataConfig(path="memory://miles-test/d.jsonl"))[0].prompt == "m"
 
 
-@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR} (set MILES_GSM8K_DIR)")
 @pytest.mark.parametrize(("split", "count"), [("train", 7473), ("test", 1319)])
 def test_gsm8k_loads(split, count):
     cfg = FileDataConfig(path=str(GSM8K_DIR / f"{split}.jsonl"), input_key="question", label_key="answer")
