@@ -81,16 +81,17 @@ def _field(path: str):
     for part in path.split("."):
         model = next(m for m in models if part in m.model_fields)
         info = model.model_fields[part]
-        models = [m for m in _members(info.annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+        models = [m for m in union_members(info.annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
     return info
 
 
-def _members(tp) -> list:
+def union_members(tp) -> list:
+    """The members of a (possibly Annotated, possibly nested) union; ``[tp]`` for a plain type."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
-        return _members(typing.get_args(tp)[0])
+        return union_members(typing.get_args(tp)[0])
     if origin in (typing.Union, types.UnionType):
-        return [m for a in typing.get_args(tp) for m in _members(a)]
+        return [m for a in typing.get_args(tp) for m in union_members(a)]
     return [tp]
 
 

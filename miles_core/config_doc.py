@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import typing
 
 from pydantic import BaseModel
 
+from miles_core.cli import union_members
 from miles_core.config import RunConfig
 
 
@@ -32,7 +32,7 @@ def _section(model: type[BaseModel], prefix: str, flags: dict[str, list[str]], l
               "| field | type | default | flag | description |", "|---|---|---|---|---|"]
     for name, info in model.model_fields.items():
         path = prefix + name
-        members = [a for a in _args(info.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        members = [a for a in union_members(info.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
         if members:
             nested += [(m, path + (f"[type={m.model_fields['type'].default}]" if len(members) > 1 or 'type' in m.model_fields else "") + ".") for m in members]
             default = "(section)"
@@ -41,13 +41,6 @@ def _section(model: type[BaseModel], prefix: str, flags: dict[str, list[str]], l
         desc = " ".join((info.description or "").split()).replace("|", "\\|")
         lines.append(f"| `{path}` | `{_type_name(info.annotation)}` | {default} | {', '.join(flags.get(path, []))} | {desc} |")
     return nested
-
-
-def _args(tp) -> list:
-    origin = typing.get_origin(tp)
-    if origin is None:
-        return [tp]
-    return [a for arg in typing.get_args(tp) for a in _args(arg)]
 
 
 def config_markdown() -> str:

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
+from miles_core.dtypes import torch_dtype
 from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 if TYPE_CHECKING:
     from miles_core.config import HFEngineConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _COMPACT_SHARE = 0.25
 """Finished rows leave the batch (and its KV cache) once they are this share of the batch."""
 
@@ -76,8 +76,7 @@ class HFEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"HFEngine dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        torch_dt = torch_dtype(dtype, "HFEngine")
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
@@ -85,7 +84,7 @@ class HFEngine:
         """fsspec options for reading weight snapshots (e.g. an S3 endpoint); never logged."""
         self.device = torch.device(cfg.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dt)
         self.model = model.to(self.device).eval()
         self._eos_ids = _eos_ids(self.tokenizer, self.model)
         pad = self.tokenizer.pad_token_id

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import TrainConfig
+from miles_core.dtypes import torch_dtype
 from miles_core.train.base import TrainBatch
 from miles_core.train.batch import TokenBatch, collate
 from miles_core.train.losses import (
@@ -45,7 +46,6 @@ from miles_core.train.losses import (
     token_logprobs,
 )
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "approx_kl", "grad_norm")
 
 
@@ -67,13 +67,12 @@ class TorchTrainer:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown trainer dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        torch_dt = torch_dtype(dtype, "TorchTrainer")
         self.cfg = train_cfg
         self.weight_store = weight_store
         self.storage_options = storage_options or {}
         self.device = torch.device(train_cfg.backend.device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_DTYPES[dtype]).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dt).to(self.device)
         self.model.train()
         # The reference policy is the starting weights; kept only when the KL term is on.
         self.ref_model = None
