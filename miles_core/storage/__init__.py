@@ -15,7 +15,7 @@ when weights are.
 from miles_core.storage.archive import archive_dataset, compact_run
 from miles_core.storage.fs import atomic_write, join, open_fs
 from miles_core.storage.layout import RunLayout, new_run_id
-from miles_core.storage.stream import SampleStream, Segment, StreamReader
+from miles_core.storage.stream import SampleStream, Segment, StreamReader, StreamWriteError, StreamWriter
 from miles_core.storage.weights import WeightStore, load_snapshot
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "SampleStream",
     "Segment",
     "StreamReader",
+    "StreamWriteError",
+    "StreamWriter",
     "WeightStore",
     "archive_dataset",
     "atomic_write",

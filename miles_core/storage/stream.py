@@ -2,7 +2,9 @@
 
 Parts:
 - ``SampleStream``: one producer's stream in a run folder. ``append`` writes one Arrow IPC stream
-  file (zstd) per batch at ``samples/<producer>/<offset:012d>.arrow``; ``close`` writes ``_END``.
+  file (zstd by default; lz4 or none by choice) per batch at
+  ``samples/<producer>/<offset:012d>.arrow``; ``close`` writes ``_END``. ``writer()`` gives a
+  ``StreamWriter`` that encodes and writes behind the caller, in order, with bounded pending.
 - ``StreamReader``: one named consumer with a durable cursor at ``cursors/<producer>/<name>.json``.
   ``read`` returns the next whole segments in order; ``commit(offset)`` persists progress, and a
   new reader of the same name (after a restart) resumes from the last commit.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +56,7 @@ SEGMENT_NAME = re.compile(r"^(\d{12})\.arrow$")
 END_MARKER = "_END"
 VERSION_KEY = b"miles.schema_version"
 ZSTD_LEVEL = 1  # as small as tuned Parquet and several times cheaper to encode (see KNOWLEDGE.md)
+COMPRESSIONS = ("zstd", "lz4", "none")
 # An Arrow IPC stream ends with this marker (continuation token, then a zero length). Without it a
 # stream cut at a batch boundary would decode "successfully" with rows missing.
 _IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -89,9 +93,15 @@ class SampleStream:
         producer: str = "rollout",
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        compression: str = "zstd",
     ):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"segment compression must be one of {COMPRESSIONS}, got {compression!r}")
         self.fs, self.run_dir = open_fs(run_dir_url, storage_options)
+        self.run_dir_url = run_dir_url
+        self.storage_options = storage_options
         self.retry = retry or DEFAULT_RETRY
+        self.compression = compression  # of the segments this object writes; readers take any
         self.producer = check_name("producer", producer)
         self.path = join(self.run_dir, samples_dir(producer))
         self._next_offset: int | None = None  # producer side, set on first append
@@ -113,16 +123,27 @@ class SampleStream:
         """Write one segment; returns its offset. The segment becomes visible only when whole."""
         table = _as_table(samples)
         offset = self._claim_offset()
+        self._write_segment(offset, table)
+        self._next_offset = offset + 1
+        return offset
+
+    def sibling(self, producer: str) -> SampleStream:
+        """The stream of another producer in the same run folder, with the same settings."""
+        return SampleStream(self.run_dir_url, producer, self.storage_options, self.retry, self.compression)
+
+    def writer(self, max_pending: int = 2) -> StreamWriter:
+        """A write-behind writer of this stream (see ``StreamWriter``); use it as a context manager."""
+        return StreamWriter(self, max_pending)
+
+    def _write_segment(self, offset: int, table: pa.Table) -> None:
         try:
-            create_only_write(self.fs, join(self.path, segment_name(offset)), _encode(table), self.retry)
+            create_only_write(self.fs, join(self.path, segment_name(offset)), _encode(table, self.compression), self.retry)
         except FileExistsError as e:
             raise FileExistsError(
                 e.errno,
                 f"sample segment {self.segment_uri(offset)} already exists: another producer named "
                 f"{self.producer!r} is writing {self.uri}; refusing to overwrite it",
             ) from None
-        self._next_offset = offset + 1
-        return offset
 
     def close(self) -> int:
         """Mark the end of the stream; returns the last offset (-1 for an empty stream).
@@ -197,6 +218,114 @@ class SampleStream:
     def reader(self, name: str) -> StreamReader:
         """A consumer named ``name``, resuming from its last committed cursor."""
         return StreamReader(self, name)
+
+
+class StreamWriteError(RuntimeError):
+    """A write-behind segment could not be written; ``lost`` holds the offsets not written."""
+
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = lost
+
+
+class StreamWriter:
+    """Write-behind appends to one ``SampleStream``.
+
+    ``append`` checks and converts the samples, claims the next offset and returns it at once; a
+    background thread encodes the segment and writes it, so storage latency overlaps with the
+    caller producing the next batch. At most ``max_pending`` segments wait: ``append`` blocks
+    beyond that (bounded memory, back-pressure). Segments are written one at a time in offset
+    order, so they become visible in order. ``flush`` waits until every appended segment is
+    visible. The first failed write stops the writer: later segments are not written (a gap would
+    let a reader skip data) and the next ``append``, ``flush`` or ``close`` raises
+    ``StreamWriteError`` naming the failed object and every offset that was not written.
+    """
+
+    def __init__(self, stream: SampleStream, max_pending: int = 2):
+        import queue
+
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.stream = stream
+        self._queue: queue.Queue[tuple[int, pa.Table] | None] = queue.Queue(maxsize=max_pending)
+        self._error: StreamWriteError | None = None
+        self._lost: list[int] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"stream-writer-{stream.producer}", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Segments appended but not yet visible (about; for metrics)."""
+        return self._queue.unfinished_tasks
+
+    def append(self, samples: list[Sample] | list[Group] | pa.Table) -> int:
+        """Queue one segment; returns its offset. Blocks while ``max_pending`` segments wait."""
+        self._raise_if_failed()
+        if self._closed:
+            raise RuntimeError(f"writer of {self.stream.uri} is closed")
+        table = _as_table(samples)
+        offset = self.stream._claim_offset()
+        self.stream._next_offset = offset + 1
+        self._queue.put((offset, table))
+        return offset
+
+    def flush(self) -> None:
+        """Wait until every appended segment is visible; raise if one could not be written."""
+        self._queue.join()
+        self._raise_if_failed()
+
+    def close(self, end_stream: bool = False) -> None:
+        """Flush, stop the thread, and with ``end_stream`` write the stream's ``_END`` marker."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_if_failed()
+        if end_stream:
+            self.stream.close()
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the caller's error; still write what was appended before it
+            try:
+                self.close()
+            except StreamWriteError:
+                pass
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                offset, table = item
+                if self._error is not None:
+                    self._lost.append(offset)
+                    continue
+                try:
+                    self.stream._write_segment(offset, table)
+                except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+                    self._lost.append(offset)
+                    self._error = StreamWriteError(
+                        f"write-behind of sample segment {self.stream.segment_uri(offset)} failed: "
+                        f"{type(e).__name__}: {e}",
+                        self._lost,
+                    )
+                    self._error.__cause__ = e
+            finally:
+                self._queue.task_done()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            lost = self._error.lost
+            raise StreamWriteError(
+                f"{self._error}; offsets not written: {lost} (their samples are not in the stream)", list(lost)
+            ) from self._error.__cause__
 
 
 class StreamReader:
@@ -298,10 +427,11 @@ def _check_table_schema(table: pa.Table) -> None:
         raise ValueError("append() got an empty table; a segment holds at least one sample")
 
 
-def _encode(table: pa.Table) -> bytes:
+def _encode(table: pa.Table, compression: str = "zstd") -> bytes:
     import pyarrow as pa
 
-    options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=ZSTD_LEVEL))
+    codec = {"zstd": pa.Codec("zstd", compression_level=ZSTD_LEVEL), "lz4": "lz4_frame", "none": None}[compression]
+    options = pa.ipc.IpcWriteOptions(compression=codec)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
         writer.write_table(table)

@@ -31,6 +31,7 @@ def make_samples(n: int, group_index: int = 0) -> list[Sample]:
             rollout_logprobs=[-0.1, -1.3, -2.7],
             span_starts=[0, 2],
             span_versions=[3, 4],
+            submit_version=3,
             status=statuses[i % len(statuses)],
             group_index=group_index,
             sample_index=i,
@@ -245,6 +246,72 @@ class StorageContract:
             SampleStream(join(root, "run"), storage_options=self.so, producer="a/b")
         with pytest.raises(ValueError, match="invalid reader name"):
             SampleStream(join(root, "run"), storage_options=self.so).reader(".hidden")
+
+    @pytest.mark.parametrize("compression", ["zstd", "lz4", "none"])
+    def test_every_compression_round_trips_and_any_reader_decodes_it(self, root, compression):
+        stream = SampleStream(join(root, "run"), storage_options=self.so, compression=compression)
+        stream.append(make_samples(3, 1))
+        (segment,) = SampleStream(join(root, "run"), storage_options=self.so).read()  # reader's default differs
+        assert_same_samples(segment.samples(), make_samples(3, 1))
+        stored = stream.fs.cat_file(join(stream.path, segment_name(0)))
+        assert stored == _encode(samples_to_table(make_samples(3, 1)), compression)  # written with that codec
+        with pytest.raises(ValueError, match="one of"):
+            SampleStream(join(root, "run"), storage_options=self.so, compression="gzip")
+
+    def test_writer_writes_behind_in_order(self, root):
+        stream = SampleStream(join(root, "run"), storage_options=self.so)
+        stream.append(make_samples(1, 0))  # a writer continues after what is there
+        with stream.writer(max_pending=2) as writer:
+            assert [writer.append(make_samples(2, g)) for g in range(1, 6)] == [1, 2, 3, 4, 5]
+            writer.flush()
+            assert writer.pending == 0
+            assert stream.offsets() == [0, 1, 2, 3, 4, 5]
+        assert [s.samples()[0].group_index for s in stream.read()] == [0, 1, 2, 3, 4, 5]
+        assert_same_samples(stream.read_segment(3).samples(), make_samples(2, 3))
+
+    def test_writer_blocks_when_max_pending_segments_wait(self, root):
+        import threading
+
+        stream = SampleStream(join(root, "run"), storage_options=self.so)
+        gate, real_write = threading.Event(), stream._write_segment
+        stream._write_segment = lambda offset, table: (gate.wait(10), real_write(offset, table))
+        writer = stream.writer(max_pending=2)
+        for g in range(3):  # one being written (held at the gate), two queued
+            writer.append(make_samples(1, g))
+        fourth = threading.Thread(target=writer.append, args=(make_samples(1, 3),))
+        fourth.start()
+        fourth.join(0.3)
+        assert fourth.is_alive(), "append must block while max_pending segments wait"
+        assert stream.offsets() == []
+        gate.set()
+        fourth.join(10)
+        writer.close(end_stream=True)
+        assert stream.offsets() == [0, 1, 2, 3] and stream.end_offset() == 3
+
+    def test_writer_failure_stops_later_segments_and_names_them(self, root):
+        from miles_core.storage import StreamWriteError
+
+        stream = SampleStream(join(root, "run"), storage_options=self.so)
+        real_write = stream._write_segment
+
+        def flaky(offset, table):
+            if offset == 1:
+                raise OSError("disk on fire")
+            real_write(offset, table)
+
+        stream._write_segment = flaky
+        writer = stream.writer(max_pending=4)
+        for g in range(4):
+            writer.append(make_samples(1, g))
+        with pytest.raises(StreamWriteError, match=r"000000000001\.arrow.*disk on fire.*\[1, 2, 3\]") as err:
+            writer.flush()
+        assert err.value.lost == [1, 2, 3]
+        assert stream.offsets() == [0], "nothing after the failed segment may become visible"
+        with pytest.raises(StreamWriteError):
+            writer.append(make_samples(1, 9))
+        with pytest.raises(StreamWriteError):
+            writer.close(end_stream=True)
+        assert stream.end_offset() is None
 
     # ----------------------------------------------------------------------------------- weights
 
