@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: ``submit_version`` added."""
 
 
 class SampleStatus(str, enum.Enum):
@@ -48,6 +49,8 @@ class Sample:
     """Response-token index where each generated span starts."""
     span_versions: list[int] = field(default_factory=lambda: [0])
     """Weight version that generated each span (same length as ``span_starts``)."""
+    submit_version: int = 0
+    """The engine's weight version when the sample was submitted (its staleness baseline)."""
     status: SampleStatus = SampleStatus.COMPLETED
     group_index: int = 0
     """Index of the group (prompt) within the run."""
@@ -112,6 +115,7 @@ def arrow_schema() -> pa.Schema:
             ("rollout_logprobs", pa.list_(pa.float32())),
             ("span_starts", ints),
             ("span_versions", ints),
+            ("submit_version", pa.int32()),
             ("status", pa.string()),
             ("group_index", pa.int64()),
             ("sample_index", pa.int32()),

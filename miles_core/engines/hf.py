@@ -5,17 +5,32 @@ Parts:
   its own KV-cached decode loop over left-padded batches (``position_ids = mask.cumsum(-1) - 1``),
   so each output token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw
   logits when T is 0), the quantity the trainer recomputes.
+- ``EngineStats``: counters of dispatches, decode batches and calls served (``HFEngine.stats``).
 - ``sample_tokens``: one decode step's temperature / top-k / top-p sampling, by inverse CDF.
 - ``read_safetensors``: a weight snapshot (file, folder, or sharded folder) from any fsspec URL.
 
-Concurrency: all torch work runs in a worker thread (``asyncio.to_thread``) under one
-``asyncio.Lock``, so the event loop keeps running, and weight updates wait for in-flight
-generation. ``pause()`` closes a gate that new ``generate`` calls wait at; ``abort()`` sets the
-``threading.Event`` of every call in flight or queued, which the decode loop checks at each step.
+Concurrency: ``generate`` calls queue up. Whenever the model is free and the engine is not paused,
+one dispatcher task takes every queued call and runs all their requests together in a worker
+thread (``asyncio.to_thread``, so the event loop keeps running): many concurrent calls of one or
+a few requests share batches, as they would on a continuous-batching server, except that a call
+arriving mid-batch waits for the next one. Each call resolves as soon as its own rows have
+finished (the decode thread settles its future with ``loop.call_soon_threadsafe``), even when
+they span several chunks. The running batch holds one ``asyncio.Lock``, so ``update_weights``,
+``pause()`` and ``close()`` wait for in-flight generation, and every result carries the weight
+version that generated it. ``pause()`` closes a gate the dispatcher waits at (queued calls stay
+queued). ``abort()`` settles queued calls at once and sets the ``threading.Event`` of every
+running call, which the decode loop checks at each step: that call's rows end with ``abort`` and
+leave the batch. A cancelled ``generate`` sets its own call's event the same way; the other calls
+sharing its batch are untouched.
+
+Batching: rows batch together when they sample from the same distribution (temperature, top-p,
+top-k); lengths, stops and seeds are per row. Within a sampler, shortest prompts go together, in
+chunks of ``max_batch_size``.
 
 Seeds: a request with ``seed`` draws its uniforms from ``torch.Generator().manual_seed(seed)``
 (``max_new_tokens`` of them, up front; new token t uses uniform t), so its output does not depend
-on the batch it shares. Requests without a seed draw from the engine's generator, seeded once.
+on the batch or the calls it shares. Requests without a seed draw from the engine's generator,
+seeded once.
 """
 
 from __future__ import annotations
@@ -25,7 +40,8 @@ import inspect
 import json
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,21 +58,59 @@ _COMPACT_SHARE = 0.25
 
 
 @dataclass
-class _Row:
-    """What one sequence of a batch has produced so far."""
+class EngineStats:
+    """What an ``HFEngine`` has run so far (for tests and logs)."""
 
+    dispatches: int = 0
+    """Times the dispatcher handed the queued calls to the model together."""
+    batches_run: int = 0
+    """Decode loops run: a dispatch runs one per sampler and chunk of ``max_batch_size`` rows."""
+    calls_served: int = 0
+    """``generate`` calls handed to the model (calls aborted while queued never are)."""
+
+
+@dataclass(eq=False)  # compared by identity: a call is one caller's wait
+class _Call:
+    """One ``generate`` call on its way through the engine. The decode thread fills ``results``
+    and settles ``future`` on the caller's ``loop`` once the last one is in; ``stop`` (set by
+    ``abort()``, or when the caller goes away) ends the call's rows at the next decode step."""
+
+    requests: list[GenerateRequest]
+    loop: asyncio.AbstractEventLoop
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.future: asyncio.Future[list[GenerateResult]] = self.loop.create_future()
+        self.results: list[GenerateResult | None] = [None] * len(self.requests)
+        self.unfinished = len(self.requests)
+
+    def add_result(self, index: int, result: GenerateResult) -> None:
+        """Decode thread: one request is done; the last one settles the call."""
+        self.results[index] = result
+        self.unfinished -= 1
+        if self.unfinished == 0:
+            _call_soon_threadsafe(self.loop, self.settle, self.results)
+
+    def settle(self, results: list[GenerateResult]) -> None:
+        if not self.future.done():  # the caller may have been cancelled
+            self.future.set_result(results)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+@dataclass
+class _Row:
+    """One request of a dispatch and what it has produced so far."""
+
+    req: GenerateRequest
+    call: _Call
+    index: int
+    """The request's place in its call."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
-
-
-@dataclass(eq=False)  # hashed by identity: calls live in a set
-class _Call:
-    """One ``generate`` call: ``stop`` is read by the decode thread, ``aborted`` wakes the call
-    when it waits at the pause gate."""
-
-    stop: threading.Event = field(default_factory=threading.Event)
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class HFEngine:
@@ -95,10 +149,15 @@ class HFEngine:
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self._generator = torch.Generator().manual_seed(seed)
         self._version = 0
+        self.stats = EngineStats()
         self._lock = asyncio.Lock()
+        """Held by the running batch and by weight loads."""
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._calls: set[_Call] = set()
+        self._queue: list[_Call] = []
+        """Calls waiting for the next dispatch, in arrival order."""
+        self._running: set[_Call] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------------------ protocol
@@ -108,30 +167,30 @@ class HFEngine:
         return self._version
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """Generate for all requests (any mix of sampling params); results are in request order."""
+        """Generate for all requests (any mix of sampling params); results are in request order.
+        The requests share batches with those of other concurrent calls; the call returns as soon
+        as its own requests are done."""
         self._ensure_open()
         requests = list(requests)
         for req in requests:
             self._check_request(req)
-        call = _Call()
-        self._calls.add(call)
+        if not requests:
+            return []
+        call = _Call(requests, asyncio.get_running_loop())
+        self._queue.append(call)
+        self._start_dispatcher()
         try:
-            while True:
-                await self._wait_resumed(call)
-                if call.stop.is_set():  # aborted while paused: never reaches the model
-                    return [self._result(req, _Row(finish="abort")) for req in requests]
-                async with self._lock:
-                    if not self._resumed.is_set():  # paused while this call waited for the lock
-                        continue
-                    self._ensure_open()
-                    return await _in_thread(self._generate_sync, requests, call.stop, on_cancel=call.stop.set)
-        finally:
-            self._calls.discard(call)
+            return await call.future
+        finally:  # done, failed or cancelled: a cancelled call leaves the queue or the running batch
+            call.stop.set()
+            if call in self._queue:
+                self._queue.remove(call)
 
     async def update_weights(self, uri: str, version: int) -> None:
         """Load the safetensors snapshot at ``uri`` (a file, or a folder holding ``model.safetensors``
         or a sharded ``model.safetensors.index.json``; any fsspec URL) once in-flight generation
-        has finished, then report ``version``. Keys are checked before the model is touched."""
+        has finished, then report ``version``. Keys are checked before the model is touched. Once
+        this waits for the running batch, calls queued behind it run after the load, on the new weights."""
         self._ensure_open()
         state = await asyncio.to_thread(self._read_matching_state, uri)
         async with self._lock:
@@ -145,8 +204,8 @@ class HFEngine:
         raise NotImplementedError("LoRA adapters arrive with the training-backends issue")
 
     async def pause(self) -> None:
-        """New ``generate`` calls wait until ``resume()``; returns once in-flight generation has
-        finished (call ``abort()`` first to cut it short)."""
+        """New and queued ``generate`` calls wait until ``resume()``; returns once the running
+        batch has finished (call ``abort()`` first to cut it short)."""
         self._resumed.clear()
         async with self._lock:
             pass
@@ -156,10 +215,13 @@ class HFEngine:
 
     async def abort(self) -> None:
         """End every call in flight or queued: unfinished sequences stop at the next decode step
-        and come back with the tokens so far and finish reason ``abort``. Later calls run normally."""
-        for call in list(self._calls):
+        and come back with the tokens so far and finish reason ``abort`` (queued calls: no tokens).
+        Later calls run normally."""
+        for call in self._take_queue():
+            call.settle([self._result(_Row(req, call, k, finish="abort"), self._version)
+                         for k, req in enumerate(call.requests)])
+        for call in self._running:
             call.stop.set()
-            call.aborted.set()
 
     async def health(self) -> bool:
         return not self._closed
@@ -171,17 +233,59 @@ class HFEngine:
             self._closed = True
             self.model = None
 
-    # ------------------------------------------------------------------------- async helpers
+    # --------------------------------------------------------------------------- dispatching
 
-    async def _wait_resumed(self, call: _Call) -> None:
-        if self._resumed.is_set() or call.aborted.is_set():
-            return
-        waits = [asyncio.ensure_future(self._resumed.wait()), asyncio.ensure_future(call.aborted.wait())]
+    def _start_dispatcher(self) -> None:
+        """Make sure a dispatcher runs on this event loop (one exits when the queue is empty)."""
+        if self._dispatcher is None or self._dispatcher.done():
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+
+    async def _dispatch(self) -> None:
+        """Hand all queued calls to the model together, batch after batch, until none is queued.
+        Waiting for the lock behind ``update_weights`` or ``pause`` lets them go first."""
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await self._dispatch_until_empty()
+        except Exception as e:  # a failure here must reach the callers, not leave them waiting
+            for call in self._take_queue():
+                call.fail(e)
+            raise
+
+    async def _dispatch_until_empty(self) -> None:
+        while self._queue:
+            await self._resumed.wait()
+            async with self._lock:
+                calls = self._take_queue() if self._resumed.is_set() else []  # paused while waiting
+                if calls:  # (all of them may have been aborted or cancelled meanwhile)
+                    await self._run_calls(calls)
+
+    def _take_queue(self) -> list[_Call]:
+        calls, self._queue = self._queue, []
+        return calls
+
+    async def _run_calls(self, calls: list[_Call]) -> None:
+        """Run ``calls`` in one dispatch. Each call is settled by the decode thread when its rows
+        are done; an error settles those still waiting."""
+        if self._closed:
+            for call in calls:
+                call.fail(RuntimeError("HFEngine is closed"))
+            return
+        self.stats.dispatches += 1
+        self.stats.calls_served += len(calls)
+        self._running.update(calls)
+
+        def stop_all() -> None:  # the dispatcher itself is cancelled (its event loop is closing)
+            for call in calls:
+                call.stop.set()
+
+        try:
+            await _in_thread(self._generate_sync, calls, on_cancel=stop_all)
+        except Exception as e:
+            for call in calls:
+                call.fail(e)
         finally:
-            for w in waits:
-                w.cancel()
+            self._running.difference_update(calls)
+
+    # ------------------------------------------------------------------------- async helpers
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -196,60 +300,49 @@ class HFEngine:
             raise ValueError(f"request {req.rid!r} has token ids outside the vocabulary [0, {self._vocab})")
         _check_sampling(req.sampling, req.rid)
 
-    def _result(self, req: GenerateRequest, row: _Row, version: int | None = None) -> GenerateResult:
+    def _result(self, row: _Row, version: int) -> GenerateResult:
         text = self.tokenizer.decode(row.output_ids, skip_special_tokens=True)
-        version = self._version if version is None else version
-        return GenerateResult(row.output_ids, text, row.logprobs, row.finish or "abort", version, req.rid)
+        return GenerateResult(row.output_ids, text, row.logprobs, row.finish or "abort", version, row.req.rid)
 
     # ----------------------------------------------------------------- generation (worker thread)
 
     @torch.inference_mode()
-    def _generate_sync(self, requests: list[GenerateRequest], stop: threading.Event) -> list[GenerateResult]:
-        """Batch requests with equal sampling params (seed aside), shortest prompts together."""
+    def _generate_sync(self, calls: list[_Call]) -> None:
+        """Run the requests of all ``calls``: rows with the same sampler share batches of up to
+        ``max_batch_size``, shortest prompts together."""
         version = self._version
-        batches: dict[SamplingParams, list[int]] = defaultdict(list)
-        for k, req in enumerate(requests):
-            batches[_batch_key(req.sampling)].append(k)
-        results: list[GenerateResult | None] = [None] * len(requests)
-        for params, ks in batches.items():
-            ks.sort(key=lambda k: len(requests[k].prompt_ids))
-            for start in range(0, len(ks), self.cfg.max_batch_size):
-                chunk = [requests[k] for k in ks[start : start + self.cfg.max_batch_size]]
-                rows = self._run_batch(chunk, params, stop)
-                for k, req, row in zip(ks[start:], chunk, rows):
-                    results[k] = self._result(req, row, version)
-        return results  # type: ignore[return-value]
+        for sampler, rows in _rows_by_sampler(calls).items():
+            rows.sort(key=lambda row: len(row.req.prompt_ids))
+            for start in range(0, len(rows), self.cfg.max_batch_size):
+                self._run_batch(rows[start : start + self.cfg.max_batch_size], sampler, version)
 
-    def _run_batch(self, reqs: list[GenerateRequest], params: SamplingParams, stop: threading.Event) -> list[_Row]:
-        """The decode loop of one batch. Finished rows are dropped from the batch and its KV cache
-        once they are a quarter of it; the rest keep decoding with their own positions."""
-        rows = [_Row() for _ in reqs]
-        if params.max_new_tokens == 0 or stop.is_set():
-            for row in rows:
-                row.finish = "length" if params.max_new_tokens == 0 and not stop.is_set() else "abort"
-            return rows
-        uniforms = self._uniforms(reqs, params)
-        stop_ids = self._eos_ids | set(params.stop_token_ids)
-        ids, mask = self._left_pad([r.prompt_ids for r in reqs])
+    def _run_batch(self, rows: list[_Row], sampler: SamplingParams, version: int) -> None:
+        """The decode loop of one batch. A row finishes, and goes to its call, when it stops, reaches
+        its length or its call is stopped. Finished rows leave the batch and its KV cache once they
+        are a quarter of it, or at once when a call was stopped (its rows may have far to go); the
+        rest keep decoding with their own positions."""
+        rows = [row for row in rows if not self._finished_before_start(row, version)]
+        if not rows:
+            return
+        self.stats.batches_run += 1
+        uniforms = self._uniforms(rows, sampler)
+        ids, mask = self._left_pad([row.req.prompt_ids for row in rows])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         kv = {self._cache_kwarg: cache, "use_cache": True}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kv)
         logits = out.logits[:, -1].float()
         next_pos = mask.sum(-1, keepdim=True)
-        live = list(range(len(reqs)))  # batch row -> index into rows
-        for step in range(params.max_new_tokens):
-            if stop.is_set():
-                for i in live:
-                    rows[i].finish = rows[i].finish or "abort"
-                break
+        live = list(range(len(rows)))  # batch row -> index into rows
+        for step in range(max(row.req.sampling.max_new_tokens for row in rows)):
+            stopped = self._end_stopped_rows(rows, live, version)
             u = None if uniforms is None else uniforms[live, step]
-            tokens, logprobs = sample_tokens(logits, params, u)
-            self._record(rows, live, tokens.tolist(), logprobs.tolist(), params, stop_ids)
+            tokens, logprobs = sample_tokens(logits, sampler, u)
+            self._record(rows, live, tokens.tolist(), logprobs.tolist(), version)
             active = [b for b, i in enumerate(live) if rows[i].finish is None]
             if not active:
                 break
-            if len(live) - len(active) >= _COMPACT_SHARE * len(live):
+            if stopped or len(live) - len(active) >= _COMPACT_SHARE * len(live):
                 index = torch.tensor(active, device=self.device)
                 cache.batch_select_indices(index)
                 mask, next_pos, tokens = mask[index], next_pos[index], tokens[index]
@@ -258,11 +351,30 @@ class HFEngine:
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos, **kv)
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
-        return rows
+
+    def _finished_before_start(self, row: _Row, version: int) -> bool:
+        """End a row that needs no decoding: its call is stopped, or it asks for no tokens."""
+        if row.call.stop.is_set():
+            self._finish(row, "abort", version)
+        elif row.req.sampling.max_new_tokens == 0:
+            self._finish(row, "length", version)
+        else:
+            return False
+        return True
+
+    def _end_stopped_rows(self, rows: list[_Row], live: list[int], version: int) -> bool:
+        """End the rows of aborted or cancelled calls, with the tokens so far; whether there were any."""
+        stopped = [i for i in live if rows[i].finish is None and rows[i].call.stop.is_set()]
+        for i in stopped:
+            self._finish(rows[i], "abort", version)
+        return bool(stopped)
+
+    def _finish(self, row: _Row, reason: FinishReason, version: int) -> None:
+        row.finish = reason
+        row.call.add_result(row.index, self._result(row, version))
 
     def _record(
-        self, rows: list[_Row], live: list[int], tokens: list[int], logprobs: list[float], params: SamplingParams,
-        stop_ids: set[int],
+        self, rows: list[_Row], live: list[int], tokens: list[int], logprobs: list[float], version: int
     ) -> None:
         """Append this step's token to every unfinished row and decide whether the row ends."""
         for b, i in enumerate(live):
@@ -271,10 +383,13 @@ class HFEngine:
                 continue
             row.output_ids.append(tokens[b])
             row.logprobs.append(logprobs[b])
-            if tokens[b] in stop_ids or (params.stop and self._ends_in_stop(row.output_ids, params.stop)):
-                row.finish = "stop"
-            elif len(row.output_ids) >= params.max_new_tokens:
-                row.finish = "length"
+            p = row.req.sampling
+            if tokens[b] in self._eos_ids or tokens[b] in p.stop_token_ids or (
+                p.stop and self._ends_in_stop(row.output_ids, p.stop)
+            ):
+                self._finish(row, "stop", version)
+            elif len(row.output_ids) >= p.max_new_tokens:
+                self._finish(row, "length", version)
 
     def _ends_in_stop(self, output_ids: list[int], stops: tuple[str, ...]) -> bool:
         """Whether the newest token completed a stop string. Rows are checked after every token, so
@@ -292,19 +407,21 @@ class HFEngine:
             mask[b, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _uniforms(self, reqs: list[GenerateRequest], params: SamplingParams) -> torch.Tensor | None:
-        """One uniform per request and new token (None when greedy: nothing is drawn)."""
-        if params.temperature == 0:
+    def _uniforms(self, rows: list[_Row], sampler: SamplingParams) -> torch.Tensor | None:
+        """One uniform per row and new token, up to the longest row (None when greedy: nothing is
+        drawn). A seeded row draws its own ``max_new_tokens``, whatever the batch."""
+        if sampler.temperature == 0:
             return None
-        n = params.max_new_tokens
-        u = torch.empty((len(reqs), n), dtype=torch.float64)
-        unseeded = [b for b, r in enumerate(reqs) if r.sampling.seed is None]
+        width = max(row.req.sampling.max_new_tokens for row in rows)
+        u = torch.zeros((len(rows), width), dtype=torch.float64)
+        unseeded = [b for b, row in enumerate(rows) if row.req.sampling.seed is None]
         if unseeded:
-            u[unseeded] = torch.rand((len(unseeded), n), generator=self._generator, dtype=torch.float64)
-        for b, r in enumerate(reqs):
-            if r.sampling.seed is not None:
-                g = torch.Generator().manual_seed(r.sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
-                u[b] = torch.rand(n, generator=g, dtype=torch.float64)
+            u[unseeded] = torch.rand((len(unseeded), width), generator=self._generator, dtype=torch.float64)
+        for b, row in enumerate(rows):
+            p = row.req.sampling
+            if p.seed is not None:
+                g = torch.Generator().manual_seed(p.seed & 0xFFFF_FFFF_FFFF_FFFF)
+                u[b, : p.max_new_tokens] = torch.rand(p.max_new_tokens, generator=g, dtype=torch.float64)
         return u.to(self.device)
 
     # ------------------------------------------------------------------------------- weights
@@ -393,9 +510,20 @@ def _check_sampling(p: SamplingParams, rid: str | None) -> None:
         raise ValueError(f"request {rid!r}: bad sampling params: " + "; ".join(problems))
 
 
-def _batch_key(p: SamplingParams) -> SamplingParams:
-    """Requests batch together when their params agree on everything but the seed."""
-    return replace(p, seed=None, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids))
+def _sampler(p: SamplingParams) -> SamplingParams:
+    """The distribution a request samples from: requests batch together when theirs agree (length,
+    stops and seed are per row). Greedy ignores top-p and top-k."""
+    if p.temperature == 0:
+        return SamplingParams(temperature=0.0)
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+
+
+def _rows_by_sampler(calls: list[_Call]) -> dict[SamplingParams, list[_Row]]:
+    groups: dict[SamplingParams, list[_Row]] = defaultdict(list)
+    for call in calls:
+        for k, req in enumerate(call.requests):
+            groups[_sampler(req.sampling)].append(_Row(req, call, k))
+    return groups
 
 
 # ------------------------------------------------------------------------------ weights I/O
@@ -455,6 +583,13 @@ def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update([eos] if isinstance(eos, int) else (eos or []))
     return ids
+
+
+def _call_soon_threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop has closed: nobody waits for the result any more
+        pass
 
 
 async def _in_thread(fn: Any, *args: Any, on_cancel: Any = None) -> Any:

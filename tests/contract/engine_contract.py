@@ -281,6 +281,94 @@ class EngineContract:
         results = asyncio.run(body())
         assert all(r.finish_reason == "abort" and r.output_ids == [] for r in results)
 
+    # ----------------------------------------------------------------- many concurrent calls
+    # A fully-async rollout producer sends one call per group or per sample, concurrently, as it
+    # would send HTTP requests to a continuous-batching server. The engine may batch them together;
+    # each call must still behave as if it ran alone.
+
+    def test_concurrent_calls_give_the_results_of_one_call(self, engine, tok):
+        reqs = [
+            GenerateRequest(tok.encode(p), SamplingParams(max_new_tokens=6 + 4 * (i % 2), seed=100 + i), rid=f"r{i}")
+            for i, p in enumerate(PROMPTS * 3)
+        ]
+        together = asyncio.run(engine.generate(reqs))
+
+        async def one_call_each():
+            return await asyncio.gather(*(engine.generate([q]) for q in reqs))
+
+        separate = [r for (r,) in asyncio.run(one_call_each())]
+        assert [r.rid for r in separate] == [q.rid for q in reqs]
+        assert [r.output_ids for r in separate] == [r.output_ids for r in together]
+        assert [r.finish_reason for r in separate] == [r.finish_reason for r in together]
+        for s, t in zip(separate, together):
+            assert s.logprobs == pytest.approx(t.logprobs, abs=self.logprob_atol)
+
+    def test_a_short_call_returns_before_the_long_call_it_runs_with(self, engine, reference, tok):
+        async def body():
+            # the long call comes first: an engine that ran calls one at a time would make the short one wait
+            long = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=2000))))
+            short = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=3))))
+            done, _ = await asyncio.wait([long, short], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            long_done_then = long.done()
+            await engine.abort()
+            return done, long_done_then, short.result(), await asyncio.wait_for(long, 10)
+
+        done, long_done_then, short, long = asyncio.run(body())
+        assert not long_done_then and len(done) == 1
+        for q, r in zip(requests(tok, greedy_params()), short):
+            assert r.finish_reason == "length"
+            assert r.output_ids == greedy_reference(reference, q.prompt_ids, 3, tok.eos_token_id)
+        assert all(r.finish_reason == "abort" for r in long)
+
+    def test_abort_ends_every_concurrent_call(self, engine, reference, tok):
+        long = greedy_params(max_new_tokens=2000)
+
+        async def body():
+            calls = [engine.generate(requests(tok, long, PROMPTS[i : i + 1])) for i in range(3)]
+            tasks = [asyncio.create_task(c) for c in calls + [engine.generate(requests(tok, long, PROMPTS[3:] * 2))]]
+            await asyncio.sleep(0.1)
+            late = asyncio.create_task(engine.generate(requests(tok, long)))  # arrives while the others run
+            await asyncio.sleep(0.01)
+            await engine.abort()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, late), 10)
+            after = await engine.generate(requests(tok, greedy_params(max_new_tokens=3)))
+            return results, after
+
+        results, after = asyncio.run(body())
+        assert [len(rs) for rs in results] == [1, 1, 1, 2, len(PROMPTS)]
+        for rs in results:
+            assert all(r.finish_reason == "abort" and len(r.output_ids) == len(r.logprobs) < 2000 for r in rs)
+        assert all(r.output_ids for rs in results[:4] for r in rs), "no token generated in 0.1 s"
+        prompts = PROMPTS[:3] + PROMPTS[3:] * 2
+        for p, r in zip(prompts, [r for rs in results[:4] for r in rs]):  # the tokens so far come back
+            head = r.output_ids[:16]
+            assert head == greedy_reference(reference, tok.encode(p), len(head), tok.eos_token_id)
+        assert all(r.finish_reason != "abort" for r in after)
+
+    def test_cancelling_one_call_leaves_the_others_correct(self, engine, tok):
+        others = [requests(tok, greedy_params(max_new_tokens=200), PROMPTS[:2]), requests(tok, seeded_params())]
+
+        async def body():
+            cancelled = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=2000))))
+            tasks = [asyncio.create_task(engine.generate(reqs)) for reqs in others]
+            await asyncio.sleep(0.05)
+            late = asyncio.create_task(engine.generate(requests(tok, greedy_params())))
+            await asyncio.sleep(0)
+            for task in (cancelled, late):
+                task.cancel()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            alone = [await engine.generate(reqs) for reqs in others]
+            return [t.cancelled() for t in (cancelled, late)], results, alone
+
+        cancelled, results, alone = asyncio.run(body())
+        assert cancelled == [True, True]
+        for rs, expected in zip(results, alone):
+            assert [r.output_ids for r in rs] == [r.output_ids for r in expected]
+            assert [r.finish_reason for r in rs] == [r.finish_reason for r in expected]
+            assert all(r.finish_reason != "abort" for r in rs)
+            for r, e in zip(rs, expected):
+                assert r.logprobs == pytest.approx(e.logprobs, abs=self.logprob_atol)
+
     def test_health_and_initial_version(self, engine):
         assert isinstance(engine, RolloutEngine)
         assert asyncio.run(engine.health()) is True

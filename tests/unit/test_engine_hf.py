@@ -117,3 +117,109 @@ def test_sample_tokens_by_hand():
     total = 0.25 + 0.09 + 0.0225 + 0.0025
     assert tokens.tolist() == [0, 0]
     assert logprobs.tolist() == pytest.approx([math.log(0.25 / total)] * 2, abs=1e-6)
+
+
+# ----------------------------------------------------------------------- coalescing of calls
+
+
+def run_concurrently(engine, calls: list[list[GenerateRequest]]):
+    async def body():
+        return await asyncio.gather(*(engine.generate(reqs) for reqs in calls))
+
+    return asyncio.run(body())
+
+
+async def start_batch(engine, reqs: list[GenerateRequest]) -> asyncio.Task:
+    """A ``generate`` task, returned once its batch has started (later calls queue behind it)."""
+    dispatches = engine.stats.dispatches
+    task = asyncio.create_task(engine.generate(reqs))
+    while engine.stats.dispatches == dispatches:
+        await asyncio.sleep(0)
+    return task
+
+
+def test_concurrent_single_request_calls_share_batches(engine):
+    # lengths, stop tokens and seeds vary: only temperature / top-p / top-k split a batch
+    tok = engine.tokenizer
+    params = [SamplingParams(max_new_tokens=4 + i % 5, seed=i, stop_token_ids=(i,)) for i in range(32)]
+    reqs = [GenerateRequest(tok.encode(PROMPTS[i % 4]), p, rid=f"r{i}") for i, p in enumerate(params)]
+    served, batches = engine.stats.calls_served, engine.stats.batches_run
+    separate = [r for (r,) in run_concurrently(engine, [[q] for q in reqs])]
+    assert engine.stats.calls_served - served == 32
+    assert engine.stats.batches_run - batches <= 3  # one, unless a call missed the first dispatch
+    together = asyncio.run(engine.generate(reqs))
+    assert [r.output_ids for r in separate] == [r.output_ids for r in together]
+    assert [r.logprobs for r in separate] == [pytest.approx(r.logprobs, abs=1e-5) for r in together]
+
+
+def test_calls_spanning_chunks_get_their_own_rows(tiny_model_dir, engine):
+    # chunks of 3 rows, sorted by prompt length across calls, so most calls span several chunks
+    small = setup_engine(HFEngineConfig(max_batch_size=3), str(tiny_model_dir))
+    tok = engine.tokenizer
+    calls = [
+        requests(tok, greedy_params(), PROMPTS),
+        requests(tok, seeded_params(max_new_tokens=5), PROMPTS[2:]),
+        requests(tok, greedy_params(max_new_tokens=3), PROMPTS[:1]),
+        requests(tok, seeded_params(seed=3), PROMPTS[::-1]) + requests(tok, greedy_params(), PROMPTS[1:2]),
+    ]
+    coalesced = run_concurrently(small, calls)
+    assert small.stats.dispatches == 1 and small.stats.batches_run >= 4
+    for reqs, results in zip(calls, coalesced):
+        alone = asyncio.run(engine.generate(reqs))
+        assert [r.rid for r in results] == [q.rid for q in reqs]
+        assert [r.output_ids for r in results] == [r.output_ids for r in alone]
+    asyncio.run(small.close())
+
+
+def test_pause_waits_for_the_running_batch_and_holds_calls_queued_behind_it(engine):
+    tok = engine.tokenizer
+
+    async def body():
+        running = await start_batch(engine, requests(tok, greedy_params(max_new_tokens=300)))
+        queued = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=3))))
+        await asyncio.sleep(0)
+        await engine.pause()
+        state = running.done(), queued.done(), engine.stats.dispatches
+        await asyncio.sleep(0.05)
+        held = not queued.done()
+        await engine.resume()
+        return state, held, await asyncio.wait_for(queued, 10)
+
+    (running_done, queued_done, dispatches), held, queued = asyncio.run(body())
+    assert running_done and not queued_done and dispatches == 1 and held
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 3 for r in queued)
+
+
+def test_a_cancelled_call_leaves_the_running_batch(engine):
+    # its rows would take minutes to finish: pause() returns only because they stopped
+    async def body():
+        task = await start_batch(engine, requests(engine.tokenizer, greedy_params(max_new_tokens=10**5)))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.wait_for(engine.pause(), 10)
+        await engine.resume()
+        return task.cancelled()
+
+    assert asyncio.run(body())
+
+
+def test_each_result_carries_the_version_of_the_weights_that_made_it(engine, tmp_path):
+    tok = engine.tokenizer
+    probe = requests(tok, seeded_params())
+    v0 = asyncio.run(engine.generate(probe))
+    path = save_snapshot(perturbed_state(engine.model), tmp_path / "model.safetensors", drop_tied=True)
+
+    async def body():
+        running = await start_batch(engine, requests(tok, greedy_params(max_new_tokens=300)))
+        update = asyncio.create_task(engine.update_weights(str(path), 1))
+        await asyncio.sleep(0.01)
+        queued = asyncio.create_task(engine.generate(probe))  # runs before or after the load
+        return await asyncio.wait_for(asyncio.gather(running, queued, update), 30)
+
+    running, queued, _ = asyncio.run(body())
+    v1 = asyncio.run(engine.generate(probe))
+    assert {r.weight_version for r in running} == {0}  # in flight when the update began
+    version = queued[0].weight_version
+    assert {r.weight_version for r in queued} == {version}
+    assert [r.output_ids for r in queued] == [r.output_ids for r in {0: v0, 1: v1}[version]]
+    assert [r.output_ids for r in v1] != [r.output_ids for r in v0]
