@@ -16,6 +16,11 @@ def prepare_run(cfg: RunConfig) -> RunRefs:
     return _prepare_run(cfg, log=get_run_logger().info)
 
 
+@task(name="resume-run", cache_policy=NO_CACHE, task_run_name="resume-run")
+def resume_run(cfg: RunConfig, refs: RunRefs) -> int | None:
+    return get_session(cfg, refs).resume()
+
+
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
 def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
     return get_session(cfg, refs).check_data()
@@ -39,3 +44,8 @@ def push_weights(cfg: RunConfig, refs: RunRefs, train_ref: TrainRef) -> float:
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
     return get_session(cfg, refs).evaluate(step)
+
+
+@task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
+def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: RolloutRef) -> str:
+    return get_session(cfg, refs).save_checkpoint(step, rollout_ref.source_state)

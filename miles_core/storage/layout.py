@@ -6,8 +6,16 @@
   samples/<producer>/<seq>.arrow   SampleStream segments; samples/<producer>/_END closes a stream
   cursors/<producer>/<reader>.json durable read cursors (one per reader of each stream)
   weights/v<version>/              WeightStore snapshots; weights/LATEST
+  state/data_source.json           the prompt cursor after the latest rollout
+  checkpoints/step-<k>/trainer.pt  the trainer's state after k steps (``Trainer.save``)
+  checkpoints/step-<k>/state.json  step, weight version, prompt cursor; written last
   metrics.jsonl  eval.jsonl  summary.json
 ```
+
+A checkpoint folder without ``state.json`` is incomplete (a save that did not finish) and is
+ignored: ``checkpoints()`` and ``latest_checkpoint()`` list complete ones only.
+``prune_checkpoints(keep)`` deletes all but the newest ``keep`` complete checkpoints (the newest is
+never deleted), and the incomplete ones older than the newest complete one.
 
 ``SampleStream`` and ``WeightStore`` take a run folder or weights folder URL and use the
 relative-path helpers below, so they agree with ``RunLayout`` without depending on it.
@@ -21,9 +29,13 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from miles_core.storage.fs import atomic_write, join, open_fs, read_bytes, to_url
+from miles_core.storage.fs import atomic_write, join, list_names, open_fs, read_bytes, to_url
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_STATE = "state.json"
+TRAINER_STATE = "trainer.pt"
+_CHECKPOINT_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 def check_name(kind: str, name: str) -> str:
@@ -44,13 +56,24 @@ def cursor_file(producer: str, reader: str) -> str:
     return f"cursors/{check_name('producer', producer)}/{check_name('reader', reader)}.json"
 
 
+def checkpoint_dir(step: int) -> str:
+    """The checkpoint folder of the run after ``step`` training steps."""
+    return f"{CHECKPOINTS}/step-{step:06d}"
+
+
+def _checkpoint_steps(folder_names) -> list[int]:
+    """The steps of the names that are checkpoint folders (``step-<k>``), ascending."""
+    return sorted(int(m.group(1)) for m in map(_CHECKPOINT_DIR.match, folder_names) if m)
+
+
 def new_run_id() -> str:
     """A fresh run id that sorts by creation time (UTC), e.g. ``20261130-141502-ab12``."""
     return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
 class RunLayout:
-    """The URLs of one run's files. Builds paths only; creates nothing."""
+    """The URLs of one run's files; reads and writes its small JSON files, lists and prunes its
+    checkpoints. Building one touches no storage."""
 
     def __init__(self, root_url: str, name: str, run_id: str, storage_options: dict[str, Any] | None = None):
         self.fs, root = open_fs(root_url, storage_options)
@@ -93,6 +116,39 @@ class RunLayout:
     def summary(self) -> str:
         return self.url("summary.json")
 
+    def checkpoint(self, step: int, file: str = "") -> str:
+        """URL of the checkpoint folder of ``step`` (or of ``file`` in it)."""
+        return self.url(checkpoint_dir(step), file)
+
+    def checkpoints(self) -> list[int]:
+        """Steps of the complete checkpoints (those with ``state.json``), ascending."""
+        pattern = join(self.path, CHECKPOINTS, "step-*", CHECKPOINT_STATE)
+        return _checkpoint_steps(marker.rsplit("/", 2)[-2] for marker in self.fs.glob(pattern))
+
+    def latest_checkpoint(self) -> int | None:
+        """The step of the newest complete checkpoint, or None when there is none."""
+        steps = self.checkpoints()
+        return steps[-1] if steps else None
+
+    def prune_checkpoints(self, keep: int) -> list[int]:
+        """Delete complete checkpoints but the newest ``keep``, and incomplete ones older than the
+        newest complete one (left by saves that did not finish); returns the deleted steps.
+        ``state.json`` goes first, so a half-deleted checkpoint is never taken for a complete one."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        complete = self.checkpoints()
+        if not complete:
+            return []
+        kept = set(complete[-keep:])
+        every = _checkpoint_steps(list_names(self.fs, join(self.path, CHECKPOINTS)))
+        doomed = [step for step in every if step < complete[-1] and step not in kept]
+        for step in doomed:
+            folder = join(self.path, checkpoint_dir(step))
+            if step in complete:
+                self.fs.rm_file(join(folder, CHECKPOINT_STATE))
+            self.fs.rm(folder, recursive=True)
+        return doomed
+
     def write_json(self, rel: str, obj: Any) -> str:
         """Replace the JSON file ``rel`` under the run folder atomically; returns its URL."""
         atomic_write(self.fs, join(self.path, rel), json.dumps(obj, indent=2, sort_keys=True).encode())
@@ -102,6 +158,11 @@ class RunLayout:
         """The JSON file ``rel`` under the run folder, or None when it does not exist."""
         data = read_bytes(self.fs, join(self.path, rel))
         return None if data is None else json.loads(data)
+
+    def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
+        """The rows of the JSON-lines file ``rel`` (empty when it does not exist)."""
+        data = read_bytes(self.fs, join(self.path, rel))
+        return [] if data is None else [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
     def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> str:
         """Replace the JSON-lines file ``rel`` (object stores cannot append, so the whole file)."""

@@ -9,9 +9,11 @@
 ```
 
 ``LATEST`` moves by compare-and-swap (S3 ``If-Match: <etag>`` / ``If-None-Match: *``), and only
-upwards, so two concurrent publishers never move it backwards. ``retain(keep_last)`` deletes old
-versions (the ``_COMMITTED`` marker first, so readers never see a half-deleted version) except
-the newest ``keep_last``, the latest, and pinned ones.
+upwards, so two concurrent publishers never move it backwards. The one way back is
+``rollback(version)``, for a run resumed from a checkpoint: LATEST moves back to ``version`` and
+every newer version is deleted, so the redone steps can publish those version numbers again.
+``retain(keep_last)`` deletes old versions (the ``_COMMITTED`` marker first, so readers never see
+a half-deleted version) except the newest ``keep_last``, the latest, and pinned ones.
 
 ``publish`` writes the tensors, then the commit marker, then ``LATEST``; a crash in between leaves
 an uncommitted folder that readers ignore and the next publish of that version overwrites.
@@ -212,6 +214,50 @@ class WeightStore:
             self._call(lambda: self.fs.rm(folder, recursive=True), folder)
             deleted.append(version)
         return deleted
+
+    def rollback(self, version: int) -> list[int]:
+        """Make ``version`` the latest again (0: nothing published) and delete every newer version;
+        returns the deleted versions, newest first. For a run resumed from a checkpoint: the newer
+        versions came from steps that are redone, which publish those numbers again (``publish``
+        never overwrites a committed version).
+
+        LATEST moves first (compare-and-swap: RuntimeError if it changes meanwhile), then newer
+        versions go newest first, each commit marker before its files; a crash part way leaves
+        LATEST at ``version`` and a call again finishes the job. Only while nothing publishes to
+        this store. ValueError, touching nothing, when ``version`` (> 0) is not committed or a
+        newer version is pinned."""
+        committed = self.is_committed(_check_version(version))
+        if version > 0 and not committed:
+            raise ValueError(
+                f"cannot roll back to weights version {version}: {self.uri(version)} is not committed; "
+                f"available versions: {self.versions() or 'none'}"
+            )
+        pinned = {v: readers for v, readers in self.pins().items() if v > version}
+        if pinned:
+            raise ValueError(f"cannot roll back {self.base_uri} to version {version}: newer versions are pinned "
+                             f"{pinned}; unpin them first")
+        newer = [v for v in reversed(self.versions()) if v > version]
+        self._move_latest_back(version if committed else None)
+        for v in newer:
+            folder = join(self.path, version_dir(v))
+            self._call(lambda: self.fs.rm_file(join(folder, COMMITTED)), join(folder, COMMITTED))
+            self._call(lambda: self.fs.rm(folder, recursive=True), folder)
+        return newer
+
+    def _move_latest_back(self, version: int | None) -> None:
+        """Point LATEST at ``version`` (None: remove it), whichever way that moves it."""
+        path = join(self.path, LATEST)
+        data, tag = self._call(lambda: read_with_tag(self.fs, path), path)
+        if (None if data is None else self._parse_latest(data)) == version:
+            return
+        try:
+            if version is None:
+                self._call(lambda: self.fs.rm_file(path), path)
+            else:
+                self._call(lambda: cas_write(self.fs, path, str(version).encode(), tag), path)
+        except PreconditionFailed:
+            raise RuntimeError(f"{to_url(self.fs, path)} changed during rollback to version {version}: "
+                               "something is still publishing to this weight store") from None
 
     def _pin_path(self, version: int, reader: str) -> str:
         return join(self.path, PINS, version_dir(_check_version(version)), check_name("reader", reader))

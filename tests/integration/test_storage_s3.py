@@ -111,3 +111,28 @@ def test_endpoint_that_stays_down_gives_a_clear_error(restartable_s3):
     assert time.monotonic() - start < 15
     message = str(info.value)
     assert stream.segment_uri(1) in message and s3.endpoint in message and "3 attempt" in message
+
+
+def test_checkpoints_and_weight_rollback_on_s3(root, storage_options):
+    """What resuming a run needs from S3: checkpoint listing by marker (glob), pruning, and LATEST
+    moved back by compare-and-swap (If-Match) with the newer versions deleted."""
+    from contract.storage_contract import state_dict
+    from miles_core.storage import RunLayout, WeightStore
+    from miles_core.storage.fs import atomic_write, join
+    from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
+
+    layout = RunLayout(root, "toy", "run1", storage_options)
+    for step in (3, 6, 9):
+        atomic_write(layout.fs, join(layout.path, checkpoint_dir(step), TRAINER_STATE), b"trainer state")
+        if step != 9:  # 9: a save that did not finish
+            layout.write_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}", {"step": step})
+    assert layout.checkpoints() == [3, 6] and layout.latest_checkpoint() == 6
+    assert layout.prune_checkpoints(1) == [3] and layout.checkpoints() == [6]
+
+    store = WeightStore(layout.weights, storage_options=storage_options)
+    for v in (2, 4, 6):
+        store.publish(v, state_dict(float(v)))
+    assert store.rollback(2) == [6, 4]
+    assert store.versions() == [2] and store._read_latest_hint() == 2
+    store.publish(4, state_dict(40.0))
+    assert store.latest() == 4

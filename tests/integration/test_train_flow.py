@@ -172,3 +172,76 @@ def test_storage_credentials_come_from_a_prefect_secret_block(prefect_backend, t
         assert state.is_failed()
         with pytest.raises(ValueError, match="no-such-block.*no such Secret block"):
             state.result()
+
+
+def _digit_share(sample) -> float:
+    """A reward the untrained tiny model earns unevenly (the toy reward is 0 for all its samples,
+    which makes every gradient zero and would leave the weights unchanged)."""
+    return sum(c.isdigit() for c in sample.response) / max(1, len(sample.response))
+
+
+def _deterministic(rows: list[dict]) -> list[dict]:
+    """Metric rows without wall-clock timings (the only values that differ between equal runs)."""
+    return [{k: v for k, v in row.items() if "seconds" not in k and not k.endswith("_per_s")} for row in rows]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_dir, tmp_path):
+    """Run A: 6 steps in one go. Run B: 4 steps, its checkpoint at step 4 cut short (no state.json,
+    as if the process died while saving it), then resumed to 6 steps from the checkpoint at step 3.
+    Step 4 is redone; B's metrics, evaluations and final weights equal A's exactly."""
+    import torch
+
+    from flows.train import train
+    from miles_core.rewards import register_reward
+    from miles_core.storage import WeightStore
+
+    register_reward("test-digit-share")(_digit_share)
+
+    def run(run_id: str, steps: int) -> dict:
+        cfg = _tiny_run(tmp_path, tiny_model_dir, run_id=run_id, checkpoint={"save_interval": 3})
+        cfg.rollout.num_rollout, cfg.rollout.reward = steps, "test-digit-share"
+        state = train(cfg, return_state=True)
+        assert state.is_completed(), state
+        return state.result()
+
+    straight = Path(run("straight", 6)["run_dir"])
+    first = Path(run("resumed", 4)["run_dir"])
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
+    (first / "checkpoints" / "step-000004" / "state.json").unlink()
+    summary = run("resumed", 6)
+    assert summary["resumed_from_step"] == 3 and summary["run_dir"] == str(first)
+
+    rows = _jsonl(first / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["grad_norm"] > 0 for r in rows), "zero gradients would leave nothing to compare"
+    assert _deterministic(rows) == _deterministic(_jsonl(straight / "metrics.jsonl"))
+    assert _deterministic(_jsonl(first / "eval.jsonl")) == _deterministic(_jsonl(straight / "eval.jsonl"))
+    a, b = WeightStore(str(straight / "weights")), WeightStore(str(first / "weights"))
+    assert a.versions() == b.versions() == [2, 4, 6, 8, 10, 12] and a.latest() == b.latest() == 12
+    want, got = a.load(), b.load()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not all(torch.equal(want[k], t) for k, t in a.load(2).items()), "the weights must have moved"
+    # kept: the newest two complete checkpoints; the cut-short one at step 4 was pruned
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
+    # the first step 4's segment stays as history: 4 + 3 segments, the trainer's cursor on the last
+    assert len(list((first / "samples" / "rollout").glob("*.arrow"))) == 7
+    assert json.loads((first / "cursors" / "rollout" / "trainer.json").read_text())["offset"] == 6
+
+
+def test_a_run_with_steps_but_no_checkpoint_is_not_restarted(prefect_backend, tiny_model_dir, tmp_path):
+    from flows.train import train
+
+    cfg = _tiny_run(tmp_path, tiny_model_dir, run_id="no-checkpoint")
+    cfg.rollout.num_rollout = 1
+    assert train(cfg, return_state=True).is_completed()
+    state = train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="no-checkpoint.*no checkpoint to resume from.*new run id.*--save-interval"):
+        state.result()
+    run_dir = tmp_path / "runs" / "flow-test" / "no-checkpoint"
+    assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1]  # the old run is left as it was
+    assert len(list((run_dir / "samples" / "rollout").glob("*.arrow"))) == 1

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from miles_core.config import RunConfig
-from miles_core.run import RunSession, prepare_run
+from miles_core.run import RunSession, checkpoint_due, prepare_run
 
 
 def _cfg(model_dir, root: str) -> RunConfig:
@@ -53,3 +55,54 @@ def test_a_rebuilt_session_continues_the_prompt_order(tiny_model_dir):
         again.close()
     finally:
         straight.close()
+
+
+def test_resume_goes_back_to_the_newest_checkpoint_and_redoes_the_same_step(tiny_model_dir):
+    """Checkpoint after step 1, then step 2 runs: a new session resumes at 1. The weight store,
+    metrics and prompt cursor (the checkpoint's, not the newer state/data_source.json) go back, and
+    the redone step 2 draws the same prompts and publishes the same weights."""
+    import torch
+
+    cfg = _cfg(tiny_model_dir, f"memory://runs-{uuid.uuid4().hex}")
+    refs = prepare_run(cfg, log=lambda *_: None)
+    first = RunSession(cfg, refs)
+    try:
+        r = first.rollout(0)
+        first.record(1, {"version": first.train(r).version})
+        first.save_checkpoint(1, r.source_state)
+        r = first.rollout(1)
+        first.record(2, {"version": first.train(r).version})
+        prompts, weights = _prompts(first, r.offset), first.weights.load(2)
+    finally:
+        first.close()
+
+    again = RunSession(cfg, refs)
+    try:
+        assert again.resume() == 1
+        assert again.weights.versions() == [1] and again.trainer.version == 1
+        assert [row["step"] for row in again.metrics_rows] == [1]
+        assert again.layout.read_jsonl("metrics.jsonl") == again.metrics_rows
+        redo = again.rollout(1)
+        assert redo.offset == 2  # the first step 2's segment stays in the stream as history
+        assert _prompts(again, redo.offset) == prompts
+        assert again.train(redo).version == 2
+        assert all(torch.equal(t, weights[k]) for k, t in again.weights.load(2).items())
+    finally:
+        again.close()
+
+
+def test_a_run_with_steps_but_no_checkpoint_refuses_to_resume(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, f"memory://runs-{uuid.uuid4().hex}")
+    refs = prepare_run(cfg, log=lambda *_: None)
+    session = RunSession(cfg, refs)
+    assert session.resume() is None  # a fresh run
+    session.record(1, {"loss": 0.1})
+    with pytest.raises(RuntimeError, match=r"already has training steps.*no checkpoint.*new run id.*--save-interval"):
+        RunSession(cfg, refs).resume()
+
+
+def test_checkpoint_due_every_interval_and_at_the_last_step():
+    cfg = RunConfig.model_validate({"rollout": {"num_rollout": 7}, "checkpoint": {"save_interval": 3}})
+    assert [k for k in range(1, 8) if checkpoint_due(cfg, k)] == [3, 6, 7]
+    cfg.checkpoint.save_interval = None
+    assert not any(checkpoint_due(cfg, k) for k in range(1, 8))

@@ -10,9 +10,18 @@ import uuid
 
 import pytest
 
-from contract.storage_contract import StorageContract, make_samples
-from miles_core.storage import RunLayout, SampleStream, new_run_id
-from miles_core.storage.fs import RetryPolicy, StorageUnavailableError, is_transient, with_retries
+from contract.storage_contract import StorageContract, assert_same_tensors, make_samples, state_dict
+from miles_core.storage import RunLayout, SampleStream, WeightStore, new_run_id
+from miles_core.storage.fs import (
+    RetryPolicy,
+    StorageUnavailableError,
+    atomic_write,
+    is_transient,
+    join,
+    list_names,
+    with_retries,
+)
+from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
 
 
 @pytest.fixture(params=["memory", "file", "path"])
@@ -73,6 +82,67 @@ def test_new_run_id_sorts_by_time():
     with pytest.raises(ValueError, match="invalid run name"):
         RunLayout("memory://x", "../escape", run_id)
 
+
+
+def _checkpoint(layout: RunLayout, step: int, complete: bool = True) -> None:
+    """A checkpoint folder as ``RunSession.save_checkpoint`` leaves it (or a save cut short)."""
+    atomic_write(layout.fs, join(layout.path, checkpoint_dir(step), TRAINER_STATE), b"trainer state")
+    if complete:
+        layout.write_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}", {"step": step})
+
+
+def test_checkpoints_list_complete_ones_and_retention_keeps_the_newest(root):
+    layout = RunLayout(root, "toy", "run1")
+    assert layout.checkpoints() == [] and layout.latest_checkpoint() is None and layout.prune_checkpoints(2) == []
+    assert layout.checkpoint(3, TRAINER_STATE) == f"{layout.run_dir}/checkpoints/step-000003/trainer.pt"
+    for step, complete in [(2, False), (3, True), (6, True), (9, False), (12, True), (15, False)]:
+        _checkpoint(layout, step, complete)
+    # 2, 9, 15 have no state.json: saves that did not finish, never resumed from
+    assert layout.checkpoints() == [3, 6, 12] and layout.latest_checkpoint() == 12
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        layout.prune_checkpoints(0)
+    # keep 6 and 12; 3 is beyond keep, 2 and 9 are leftovers older than 12; 15 may be a save under way
+    assert layout.prune_checkpoints(2) == [2, 3, 9]
+    left = sorted(list_names(layout.fs, join(layout.path, "checkpoints")))
+    assert left == ["step-000006", "step-000012", "step-000015"]
+    assert layout.prune_checkpoints(1) == [6] and layout.checkpoints() == [12]
+    assert layout.prune_checkpoints(1) == [] and layout.latest_checkpoint() == 12  # never the newest
+
+
+def test_jsonl_round_trip(root):
+    layout = RunLayout(root, "toy", "run1")
+    assert layout.read_jsonl("metrics.jsonl") == []
+    layout.write_jsonl("metrics.jsonl", [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])
+    assert layout.read_jsonl("metrics.jsonl") == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+
+
+def test_weights_rollback_moves_latest_back_and_deletes_newer_versions(root):
+    store = WeightStore(join(root, "weights"))
+    for v in (2, 4, 6, 8):
+        store.publish(v, state_dict(float(v)))
+    assert store.rollback(4) == [8, 6]
+    assert store.versions() == [2, 4] and store.latest() == 4 and store._read_latest_hint() == 4
+    store.publish(6, state_dict(60.0))  # the redone step publishes its version number again
+    assert store.latest() == 6
+    assert_same_tensors(store.load(), state_dict(60.0))
+    assert store.rollback(6) == []  # nothing newer: a no-op
+
+    with pytest.raises(ValueError, match="version 5.*not committed.*available versions: \\[2, 4, 6\\]"):
+        store.rollback(5)
+    store.pin(6, "eval")
+    with pytest.raises(ValueError, match="newer versions are pinned"):
+        store.rollback(4)
+    assert store.versions() == [2, 4, 6] and store.latest() == 6  # refused before touching anything
+    store.unpin(6, "eval")
+
+    store._move_latest_back(4)  # a rollback cut short after moving LATEST: readers already see 4
+    assert store.latest() == 4
+    assert store.rollback(4) == [6] and store.versions() == [2, 4]
+
+    assert store.rollback(0) == [4, 2]  # back to the starting model: nothing published
+    assert store.versions() == [] and store.latest() is None and store._read_latest_hint() is None
+    store.publish(1, state_dict(1.0))
+    assert store.latest() == 1
 
 
 def test_storage_imports_without_torch_or_pyarrow():
