@@ -1,7 +1,8 @@
 """Training: advantage and loss math, the Trainer protocol, and its implementations.
 
 - ``advantages``: GRPO group advantages (pure functions; failed samples get 0).
-- ``losses``: PPO clip loss, KL estimators, token logprobs, entropy, reducers (pure functions).
+- ``losses``: PPO clip loss, KL estimators, token logprobs, entropy, reducers, rollout correction
+  (truncated / masked importance weights, trainer-vs-rollout mismatch metrics); pure functions.
 - ``base``: ``TrainBatch`` and the ``Trainer`` protocol.
 - ``batch``: samples -> right-padded tensors aligned for next-token prediction.
 - ``torch_trainer``: ``TorchTrainer`` (one process, AdamW, gradient accumulation).

@@ -13,7 +13,8 @@ A sample whose reward is None (a failed sample, see ``advantages``) keeps its ro
 loss mask, so it adds nothing to any loss, KL term or token count.
 
 ``TokenBatch.select(rows)`` takes a subset of rows (a minibatch or micro-batch), trimmed to its own
-longest row; per-row tensors (advantages, ...) ride along.
+longest row; per-row and per-token tensors the trainer attaches (advantages, old / reference
+logprobs, rollout-correction weights) ride along.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class TokenBatch:
     """[B, L] PPO ratio denominator, aligned like labels."""
     ref_logprobs: Tensor | None = None
     """[B, L] reference-policy logprobs, aligned like labels."""
+    is_weights: Tensor | None = None
+    """[B, L] rollout-correction weight of each token's policy-gradient loss (None: weight 1)."""
 
     @property
     def num_rows(self) -> int:

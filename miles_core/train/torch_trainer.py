@@ -4,15 +4,23 @@ One ``step(batch)``:
 1. collate the samples (``batch.collate``) and attach advantages, the PPO ratio denominator
    (recomputed by a no-grad forward pass, or the rollout engine's logprobs) and, when
    ``kl_coef > 0``, the frozen reference policy's logprobs;
-2. shuffle the samples (seeded generator, saved in checkpoints) and cut them into optimizer
-   minibatches of ``global_batch_size`` samples (None: the whole batch, one optimizer step; the
-   last minibatch is smaller when the batch does not divide, and a minibatch with no trained token
-   is skipped: no optimizer step, no new version);
-3. per minibatch, accumulate gradients over micro-batches of ``micro_batch_size`` samples. Each
+2. rollout correction: with recomputed old logprobs and samples that carry the engine's logprobs,
+   measure the mismatch between the two (``mismatch_kl``, ...); with ``use_tis``, attach the
+   per-token importance weights (``losses.rollout_correction``) and, in mask mode, drop the
+   rejected tokens from the loss mask. The weights depend only on the batch, not on the weights
+   being trained, so they are fixed before any update;
+3. shuffle the samples (seeded generator, saved in checkpoints) and cut them into optimizer
+   minibatches (``TrainConfig.minibatch_sizes``: ``global_batch_size`` samples each, or
+   ``num_steps_per_rollout`` equal parts, or the whole batch in one step; a minibatch with no
+   trained token is skipped: no optimizer step, no new version);
+4. per minibatch, accumulate gradients over micro-batches of ``micro_batch_size`` samples. Each
    micro-batch's loss is divided by the *minibatch's* denominator (its masked-token count for
    ``token_mean``, its number of trained sequences for ``seq_mean``), so the accumulated gradient is
    the gradient of the minibatch loss, whatever the micro-batch size;
-4. clip the gradient norm, take an AdamW step, and count one more version.
+5. clip the gradient norm, take an AdamW step, and count one more version.
+
+Every optimizer step after the first of a batch trains on samples its weights did not produce;
+``offpolicy_ratio_dev`` and ``offpolicy_clipfrac`` (steps 2..k) show how far they have drifted.
 
 Loss = PPO clip loss + kl_coef * KL(pi || pi_ref), both reduced the same way. Logprobs are those of
 ``logits / temperature`` (raw logits when the temperature is 0), as the rollout engines report them.
@@ -25,7 +33,7 @@ import io
 import math
 import posixpath
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -40,13 +48,18 @@ from miles_core.train.batch import TokenBatch, collate
 from miles_core.train.losses import (
     entropy_from_logits,
     kl_penalty,
+    mismatch_metrics,
     ppo_clip_loss,
     reduce_tokens,
     reducer_denominator,
+    rollout_correction,
     token_logprobs,
 )
+from miles_core.types import Sample
 
-_AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "approx_kl", "grad_norm")
+_AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_dev", "approx_kl", "grad_norm")
+# averaged over the optimizer steps after the first one of a batch (its off-policy steps)
+_OFF_POLICY = {"offpolicy_ratio_dev": "ratio_dev", "offpolicy_clipfrac": "clipfrac"}
 
 
 class WeightPublisher(Protocol):
@@ -98,21 +111,28 @@ class TorchTrainer:
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """Train on ``batch``. Metrics are averaged over its optimizer steps (NaN if none was taken):
         ``loss``, ``pg_loss``, ``kl`` (0 when ``kl_coef`` is 0), ``entropy``, ``clipfrac``,
-        ``ratio_mean``, ``approx_kl``, ``grad_norm`` (before clipping); plus counts:
-        ``num_optimizer_steps``, ``train_tokens``, ``num_samples``, ``num_excluded_samples`` (reward
-        None) and ``version`` after the step."""
+        ``ratio_mean``, ``ratio_dev`` (mean |ratio - 1|), ``approx_kl``, ``grad_norm`` (before
+        clipping); with two or more optimizer steps, ``offpolicy_ratio_dev`` and
+        ``offpolicy_clipfrac``: the same averaged over steps 2..k only (step 1 is on-policy, its
+        ratio is 1 with recomputed old logprobs); with recomputed old logprobs and samples that carry
+        rollout logprobs, the mismatch metrics of ``losses.mismatch_metrics`` (``mismatch_kl``,
+        ``train_rollout_logprob_abs_diff``, and with ``use_tis`` ``tis_weight_mean``,
+        ``tis_clipfrac``); plus counts: ``num_optimizer_steps``, ``train_tokens``, ``num_samples``,
+        ``num_excluded_samples`` (reward None) and ``version`` after the step."""
         if not batch.samples:
             raise ValueError("TrainBatch has no samples")
-        tokens = self._prepare(batch)
+        tokens, correction_metrics = self._prepare(batch)
         n = tokens.num_rows
-        size = self.cfg.global_batch_size or n
         order = torch.randperm(n, generator=self._generator).to(self.device)
         per_step = []
-        for start in range(0, n, size):
-            metrics = self._optimizer_step(tokens.select(order[start : start + size]), batch.temperature)
+        for rows in order.split(self.cfg.minibatch_sizes(n)):
+            metrics = self._optimizer_step(tokens.select(rows), batch.temperature)
             if metrics is not None:
                 per_step.append(metrics)
-        summary = {k: sum(m[k] for m in per_step) / len(per_step) if per_step else math.nan for k in _AVERAGED}
+        summary = {k: _mean(m[k] for m in per_step) for k in _AVERAGED}
+        if len(per_step) > 1:
+            summary.update({name: _mean(m[k] for m in per_step[1:]) for name, k in _OFF_POLICY.items()})
+        summary.update(correction_metrics)
         excluded = sum(1 for s in batch.samples if s.reward is None)
         summary.update(
             num_optimizer_steps=float(len(per_step)),
@@ -123,26 +143,44 @@ class TorchTrainer:
         )
         return summary
 
-    def _prepare(self, batch: TrainBatch) -> TokenBatch:
+    def _prepare(self, batch: TrainBatch) -> tuple[TokenBatch, dict[str, float]]:
+        """The batch's tensors, and the rollout-correction metrics (see ``_correct_for_rollout``)."""
         tokens = collate(batch.samples, self.pad_id).to(self.device)
         tokens.advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
+        metrics: dict[str, float] = {}
         if self.cfg.old_logprobs == "recompute":
             tokens.old_logprobs = self._forward_logprobs(self.model, tokens, batch.temperature)
+            metrics = self._correct_for_rollout(batch.samples, tokens)
         else:
-            missing = [
-                i
-                for i, s in enumerate(batch.samples)
-                if s.reward is not None and len(s.rollout_logprobs) != len(s.response_ids)
-            ]
-            if missing:
-                raise ValueError(
-                    f"train.old_logprobs='rollout' needs rollout_logprobs on every sample; samples "
-                    f"{missing[:8]} lack them (use old_logprobs='recompute' or an engine that reports them)"
-                )
+            _require_rollout_logprobs(
+                batch.samples, "train.old_logprobs='rollout'", "use old_logprobs='recompute' or an engine that reports them"
+            )
             tokens.old_logprobs = tokens.rollout_logprobs
         if self.ref_model is not None:
             tokens.ref_logprobs = self._forward_logprobs(self.ref_model, tokens, batch.temperature)
-        return tokens
+        return tokens, metrics
+
+    def _correct_for_rollout(self, samples: list[Sample], tokens: TokenBatch) -> dict[str, float]:
+        """Mismatch metrics between the recomputed and the rollout logprobs, over the trained tokens
+        of the samples that carry rollout logprobs (none: no metrics). With ``use_tis``, attach the
+        importance weights and drop rejected tokens from the loss mask, before any denominator."""
+        cfg = self.cfg
+        if cfg.use_tis:
+            _require_rollout_logprobs(samples, "train.use_tis", "turn use_tis off or use an engine that reports them")
+        has = torch.tensor([_has_rollout_logprobs(s) for s in samples], dtype=torch.float32, device=self.device)
+        mask = tokens.loss_mask * has.unsqueeze(-1)
+        if not mask.any():
+            return {}
+        correction = None
+        if cfg.use_tis:
+            correction = rollout_correction(
+                tokens.old_logprobs, tokens.rollout_logprobs, cfg.tis_mode, cfg.tis_clip, cfg.tis_clip_low
+            )
+        metrics = mismatch_metrics(tokens.old_logprobs, tokens.rollout_logprobs, mask, correction)
+        if correction is not None:
+            tokens.is_weights = correction.weights
+            tokens.loss_mask = tokens.loss_mask * correction.keep
+        return {k: float(v) for k, v in metrics.items()}
 
     def _micro_batches(self, tokens: TokenBatch) -> Iterator[TokenBatch]:
         rows = torch.arange(tokens.num_rows, device=self.device)
@@ -191,7 +229,8 @@ class TorchTrainer:
         logits = self._logits(self.model, mb, temperature)
         logprobs = token_logprobs(logits, mb.labels)
         pg_loss, metrics = ppo_clip_loss(
-            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.eps_clip, cfg.clip_high, reducer, denom
+            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.eps_clip, cfg.clip_high, reducer, denom,
+            weights=mb.is_weights,
         )
         loss = pg_loss
         kl = torch.zeros(())
@@ -255,6 +294,25 @@ class TorchTrainer:
         with fs.open(path, "rb") as f:
             data = f.read()
         self.load_state_dict(torch.load(io.BytesIO(data), map_location=self.device, weights_only=True))
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def _has_rollout_logprobs(s: Sample) -> bool:
+    return len(s.rollout_logprobs) == len(s.response_ids)
+
+
+def _require_rollout_logprobs(samples: list[Sample], setting: str, fix: str) -> None:
+    """Every trained sample (reward not None) must carry one rollout logprob per response token."""
+    missing = [i for i, s in enumerate(samples) if s.reward is not None and not _has_rollout_logprobs(s)]
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ValueError(
+            f"{setting} needs rollout_logprobs on every sample; samples {missing[:8]}{more} lack them ({fix})"
+        )
 
 
 @contextmanager

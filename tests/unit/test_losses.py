@@ -11,10 +11,14 @@ from miles_core.train.advantages import grpo_advantages, sample_advantages
 from miles_core.train.losses import (
     entropy_from_logits,
     kl_penalty,
+    masked_is_weights,
+    mismatch_metrics,
     ppo_clip_loss,
     reduce_tokens,
     reducer_denominator,
+    rollout_correction,
     token_logprobs,
+    truncated_is_weights,
 )
 from miles_core.types import Group, Sample
 
@@ -151,6 +155,8 @@ def test_ppo_clip_loss_by_hand():
     assert loss.item() == approx(0.48760, abs=1e-5)
     assert metrics["clipfrac"].item() == approx(0.5)  # rows 0 and 3
     assert metrics["ratio_mean"].item() == approx((2 * E + 2 / E) / 4, abs=1e-6)  # 1.54308
+    # |e - 1| = 1.71828 twice, |1/e - 1| = 0.63212 twice: (3.43656 + 1.26424) / 4 = 1.17520
+    assert metrics["ratio_dev"].item() == approx((2 * (E - 1) + 2 * (1 - 1 / E)) / 4, abs=1e-6)
     assert metrics["approx_kl"].item() == approx(0.5)  # 0.5 * (+-1)^2
 
 
@@ -236,3 +242,139 @@ def test_kl_estimators_by_hand():
 def test_unknown_kl_kind_is_named():
     with pytest.raises(ValueError, match="'k4'"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+
+
+# ---------------------------------------------------------------------------- rollout correction
+
+# old - rollout = [ln 0.5, 0, ln 1.5, ln 3]: importance ratios rho = [0.5, 1, 1.5, 3]
+RHO = [0.5, 1.0, 1.5, 3.0]
+ROLLOUT = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+OLD = ROLLOUT + torch.tensor([[math.log(r) for r in RHO]])
+
+
+def test_truncated_is_weights_by_hand():
+    # C = 2: min(rho, 2) = [0.5, 1, 1.5, 2] (only the last is truncated)
+    torch.testing.assert_close(truncated_is_weights(OLD, ROLLOUT, 2.0), torch.tensor([[0.5, 1.0, 1.5, 2.0]]))
+    # lower clip 0.8 too: clamp(rho, 0.8, 2) = [0.8, 1, 1.5, 2]
+    torch.testing.assert_close(truncated_is_weights(OLD, ROLLOUT, 2.0, 0.8), torch.tensor([[0.8, 1.0, 1.5, 2.0]]))
+    # the weights are constants: no gradient flows into either logprob
+    assert not truncated_is_weights(OLD.clone().requires_grad_(), ROLLOUT, 2.0).requires_grad
+
+
+def test_masked_is_weights_by_hand():
+    # band [0.8, 2]: 0.5 and 3 fall outside -> rejected (weight 0); 1 and 1.5 keep their ratio
+    weights, keep = masked_is_weights(OLD, ROLLOUT, 0.8, 2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 1.0, 1.5, 0.0]]))
+    assert keep.tolist() == [[0.0, 1.0, 1.0, 0.0]]
+
+
+def test_rollout_correction_modes_by_hand():
+    truncate = rollout_correction(OLD, ROLLOUT, "truncate", 2.0, 0.8)
+    torch.testing.assert_close(truncate.weights, torch.tensor([[0.8, 1.0, 1.5, 2.0]]))
+    assert truncate.keep.tolist() == [[1.0, 1.0, 1.0, 1.0]]  # truncation trains every token
+    assert truncate.corrected.tolist() == [[1.0, 0.0, 0.0, 1.0]]  # 0.5 -> 0.8 and 3 -> 2
+    mask = rollout_correction(OLD, ROLLOUT, "mask", 2.0, 0.8)
+    torch.testing.assert_close(mask.weights, torch.tensor([[0.0, 1.0, 1.5, 0.0]]))
+    assert mask.keep.tolist() == [[0.0, 1.0, 1.0, 0.0]]
+    assert mask.corrected.tolist() == [[1.0, 0.0, 0.0, 1.0]]
+    with pytest.raises(ValueError, match="'sequence'"):
+        rollout_correction(OLD, ROLLOUT, "sequence", 2.0)
+
+
+def test_tis_weights_scale_the_token_losses_by_hand():
+    # logp = old: PPO ratio 1, A = 1 -> token loss -1, times w = [0.5, 1, 1.5, 2]
+    # token_mean = -(0.5 + 1 + 1.5 + 2) / 4 = -1.25; d loss / d logp_t = -w_t r_t / 4 = [-0.125, -0.25, -0.375, -0.5]
+    logprobs = OLD.clone().requires_grad_()
+    w = truncated_is_weights(OLD, ROLLOUT, 2.0)
+    loss, metrics = ppo_clip_loss(logprobs, OLD, torch.ones(1), torch.ones(1, 4), weights=w)
+    loss.backward()
+    assert loss.item() == approx(-1.25)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.125, -0.25, -0.375, -0.5]]))
+    assert metrics["ratio_mean"].item() == approx(1.0) and metrics["ratio_dev"].item() == 0.0  # unweighted
+
+
+def test_mask_mode_rejected_tokens_leave_the_loss_and_its_denominator():
+    # band [0.8, 2] keeps tokens 1 and 2 (weights 1 and 1.5); logp = old, A = 1 -> token losses -1, -1.5
+    # the loss mask loses tokens 0 and 3: token_mean = (-1 - 1.5) / 2 = -1.25 (not / 4)
+    c = rollout_correction(OLD, ROLLOUT, "mask", 2.0, 0.8)
+    logprobs = OLD.clone().requires_grad_()
+    loss, _ = ppo_clip_loss(logprobs, OLD, torch.ones(1), torch.ones(1, 4) * c.keep, weights=c.weights)
+    loss.backward()
+    assert loss.item() == approx(-1.25)
+    # d/dlogp = -w / 2 on the kept tokens, nothing on the rejected ones
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5, -0.75, 0.0]]))
+
+
+def test_tis_with_rollout_equal_to_old_is_plain_ppo_exactly():
+    logprobs, old, adv, mask = _four_cases()
+    # rollout = old: rho = exp(0) = 1 exactly, so w = 1 and w * x = x bit for bit
+    w = truncated_is_weights(old, old, 2.0)
+    assert torch.equal(w, torch.ones_like(w))
+    plain_lp, tis_lp = logprobs.clone().requires_grad_(), logprobs.clone().requires_grad_()
+    plain, _ = ppo_clip_loss(plain_lp, old, adv, mask)
+    tis, _ = ppo_clip_loss(tis_lp, old, adv, mask, weights=w)
+    plain.backward()
+    tis.backward()
+    assert tis.item() == plain.item()
+    assert torch.equal(tis_lp.grad, plain_lp.grad)
+
+
+def test_zero_advantage_with_tis_gives_zero_gradient():
+    # A = 0: every token loss is 0 whatever its weight (here 0.5, 1, 1.5, 2)
+    logprobs = torch.tensor([[0.3, -0.2, 0.1, 0.0]], requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs, torch.zeros(1, 4), torch.zeros(1), torch.ones(1, 4),
+                            weights=truncated_is_weights(OLD, ROLLOUT, 2.0))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logprobs.grad, torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("reducer", ["token_mean", "seq_mean"])
+def test_weighted_pieces_with_the_whole_denominator_add_up(reducer):
+    # 3 rows, weights differ per token; each row's loss / whole denominator sums to the whole loss
+    logprobs = torch.tensor([[0.1, -0.3, 0.2], [0.0, 0.4, -0.1], [0.2, 0.2, 0.2]])
+    old = torch.zeros(3, 3)
+    weights = torch.tensor([[0.5, 1.0, 2.0], [1.5, 1.0, 0.8], [1.0, 1.0, 1.0]])
+    adv, mask = torch.tensor([1.0, -1.0, 0.5]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    whole, _ = ppo_clip_loss(logprobs, old, adv, mask, reducer=reducer, weights=weights)
+    denom = reducer_denominator(mask, reducer)
+    pieces = sum(
+        ppo_clip_loss(logprobs[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], reducer=reducer,
+                      denom=denom, weights=weights[i : i + 1])[0]
+        for i in range(3)
+    )
+    assert pieces.item() == approx(whole.item(), abs=1e-7)
+
+
+def test_mismatch_metrics_by_hand():
+    ln2 = math.log(2.0)
+    # d = old - rollout = [ln 2, -ln 2, 0] on the trained tokens; the 4th token is masked and its
+    # d = 200 would overflow exp to inf: it must not enter
+    rollout = torch.tensor([[-1.0, -1.0, -1.0, -200.0]])
+    old = rollout + torch.tensor([[ln2, -ln2, 0.0, 200.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    m = mismatch_metrics(old, rollout, mask)
+    # k3 = e^d - 1 - d: (2 - 1 - 0.693147) + (0.5 - 1 + 0.693147) + 0 = 0.306853 + 0.193147 = 0.5; / 3 = 0.166667
+    assert m["mismatch_kl"].item() == approx(0.5 / 3, abs=1e-6)
+    # |d|: (0.693147 + 0.693147 + 0) / 3 = 0.462098
+    assert m["train_rollout_logprob_abs_diff"].item() == approx(2 * ln2 / 3, abs=1e-6)
+    assert set(m) == {"mismatch_kl", "train_rollout_logprob_abs_diff"}
+    # TIS at C = 1.5: rho = [2, 0.5, 1] -> w = [1.5, 0.5, 1], mean 1.0; one of three truncated
+    m = mismatch_metrics(old, rollout, mask, rollout_correction(old, rollout, "truncate", 1.5))
+    assert m["tis_weight_mean"].item() == approx(1.0, abs=1e-6)
+    assert m["tis_clipfrac"].item() == approx(1 / 3)
+    # mask mode, band [0.75, 1.5]: 2 and 0.5 rejected -> weights [0, 0, 1]: mean 1/3, 2/3 rejected
+    m = mismatch_metrics(old, rollout, mask, rollout_correction(old, rollout, "mask", 1.5, 0.75))
+    assert m["tis_weight_mean"].item() == approx(1 / 3, abs=1e-6)
+    assert m["tis_clipfrac"].item() == approx(2 / 3)
+
+
+def test_mismatch_kl_is_zero_when_logprobs_agree_and_positive_otherwise():
+    lp = torch.tensor([[-0.5, -2.0, -0.1]])
+    mask = torch.ones(1, 3)
+    m = mismatch_metrics(lp, lp, mask)
+    assert m["mismatch_kl"].item() == 0.0 and m["train_rollout_logprob_abs_diff"].item() == 0.0
+    # one token off by 0.1 either way: e^0.1 - 1 - 0.1 = 0.005171, e^-0.1 - 1 + 0.1 = 0.004837
+    for delta, k3 in ((0.1, 0.005171), (-0.1, 0.004837)):
+        m = mismatch_metrics(lp + torch.tensor([[delta, 0.0, 0.0]]), lp, mask)
+        assert m["mismatch_kl"].item() == approx(k3 / 3, abs=1e-6) and m["mismatch_kl"].item() > 0

@@ -1,10 +1,14 @@
 """TorchTrainer on the tiny model: smoke, invariance (micro-batching, old-logprob source, resume),
-export round trip, KL at the reference, and the batch alignment it relies on."""
+export round trip, KL at the reference, the batch alignment it relies on, rollout correction
+(mismatch metrics, TIS / mask) and several optimizer steps per rollout batch."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from pydantic import ValidationError
 
 from miles_core.config import TrainConfig
 from miles_core.models.tiny import build_tokenizer
@@ -231,3 +235,181 @@ def test_export_through_the_real_weight_store(tiny_model_dir, tmp_path):
         want = trainer.model(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits
         got = fresh(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------ rollout correction
+
+# Rollout logprobs = the trainer's own logprobs + OFFSETS[j % 3] on response token j, as if the
+# engine's weights differed: old - rollout = -offset, so the importance ratio is exp(-offset):
+# e^-0.3 = 0.74082, 1, e^0.3 = 1.34986.
+OFFSETS = (0.3, 0.0, -0.3)
+
+
+def offset_batch(trainer, rewards=REWARDS_A):
+    batch = make_batch(rewards, logprob_model=trainer.model)
+    for s in batch.samples:
+        s.rollout_logprobs = [lp + OFFSETS[j % 3] for j, lp in enumerate(s.rollout_logprobs)]
+    return batch
+
+
+def trained_tokens(batch):
+    """(advantage, offset) of every trained response token (loss mask 1, reward not None)."""
+    return [
+        (a, OFFSETS[j % 3])
+        for s, a in zip(batch.samples, batch.advantages)
+        if s.reward is not None
+        for j, m in enumerate(s.loss_mask)
+        if m
+    ]
+
+
+def trained_offsets(batch):
+    return [o for _, o in trained_tokens(batch)]
+
+
+def test_mismatch_metrics_are_reported_when_samples_carry_rollout_logprobs(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    batch = offset_batch(trainer)
+    offsets = trained_offsets(batch)
+    metrics = trainer.step(batch)
+    # d = old - rollout = -offset (old equals the single-sequence logprobs to ~1e-6):
+    # |d| = 0.3 on the tokens with j % 3 != 1; k3 = e^d - 1 - d = 0.040818 (d = -0.3) or 0.049859 (d = 0.3)
+    abs_diff = sum(abs(o) for o in offsets) / len(offsets)
+    k3 = sum(math.exp(-o) - 1 + o for o in offsets) / len(offsets)
+    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(abs_diff, abs=1e-5)
+    assert metrics["mismatch_kl"] == pytest.approx(k3, abs=1e-5)
+    assert "tis_weight_mean" not in metrics  # use_tis off: measured, not corrected
+    # without rollout logprobs there is nothing to compare
+    assert "mismatch_kl" not in make_trainer(tiny_model_dir, tmp_path).step(make_batch(REWARDS_A))
+
+
+def test_tis_truncates_the_weights_it_applies(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, use_tis=True, tis_clip=1.2)
+    batch = offset_batch(trainer)
+    offsets = trained_offsets(batch)
+    tokens = trained_tokens(batch)
+    metrics = trainer.step(batch)
+    # rho = exp(-offset) = 0.74082 | 1 | 1.34986 -> min(rho, 1.2) = 0.74082 | 1 | 1.2; only 1.34986 is truncated
+    weights = [min(math.exp(-o), 1.2) for o in offsets]
+    # one step, PPO ratio 1 (recomputed old logprobs): pg_loss = token mean of -A w
+    assert metrics["pg_loss"] == pytest.approx(-sum(a * min(math.exp(-o), 1.2) for a, o in tokens) / len(tokens), abs=1e-5)
+    assert metrics["tis_weight_mean"] == pytest.approx(sum(weights) / len(weights), abs=1e-5)
+    assert metrics["tis_clipfrac"] == pytest.approx(offsets.count(-0.3) / len(offsets))
+    assert metrics["train_tokens"] == len(offsets)  # truncation trains every token
+
+
+def test_mask_mode_drops_the_tokens_outside_the_band(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, use_tis=True, tis_mode="mask", tis_clip=1.2, tis_clip_low=0.9)
+    batch = offset_batch(trainer)
+    offsets = trained_offsets(batch)
+    kept_advantages = [a for a, o in trained_tokens(batch) if o == 0.0]
+    metrics = trainer.step(batch)
+    # band [0.9, 1.2]: 0.74082 and 1.34986 are rejected, only the offset-0 tokens (rho = 1) train
+    kept = offsets.count(0.0)
+    # PPO ratio 1, weight 1: pg_loss = -sum(A) / kept, the rejected tokens out of the denominator too
+    assert metrics["pg_loss"] == pytest.approx(-sum(kept_advantages) / kept, abs=1e-5)
+    assert metrics["train_tokens"] == kept
+    assert metrics["tis_clipfrac"] == pytest.approx(1 - kept / len(offsets))
+    assert metrics["tis_weight_mean"] == pytest.approx(kept / len(offsets), abs=1e-5)  # weight 1 kept, 0 rejected
+
+
+@pytest.mark.parametrize(("mode", "low"), [("truncate", 0.0), ("mask", 0.5)])
+def test_micro_batch_size_does_not_change_the_update_with_tis(tiny_model_dir, tmp_path, mode, low):
+    cfg = dict(use_tis=True, tis_mode=mode, tis_clip=1.2, tis_clip_low=low, clip_grad=0.0)
+    one = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=1, **cfg)
+    eight = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, **cfg)
+    batch = offset_batch(one)
+    m1, m8 = one.step(batch), eight.step(batch)
+    for key in ("loss", "pg_loss", "grad_norm", "tis_weight_mean", "tis_clipfrac"):
+        assert m1[key] == pytest.approx(m8[key], abs=1e-5), key
+    assert m1["tis_clipfrac"] > 0  # the correction did act
+    assert_same_params(one, eight, atol=1e-5)
+
+
+def test_tis_changes_nothing_when_the_engine_agrees_with_the_trainer(tiny_model_dir, tmp_path):
+    plain = make_trainer(tiny_model_dir, tmp_path, clip_grad=0.0)
+    tis = make_trainer(tiny_model_dir, tmp_path, clip_grad=0.0, use_tis=True, tis_clip=1.5)
+    batch = make_batch(REWARDS_A, logprob_model=plain.model)  # same weights: rho = 1 up to float noise
+    m_plain, m_tis = plain.step(batch), tis.step(batch)
+    assert m_tis["mismatch_kl"] == pytest.approx(0.0, abs=1e-10) and m_tis["tis_clipfrac"] == 0.0
+    assert m_tis["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m_tis["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
+    assert_same_params(plain, tis, atol=1e-5)
+
+
+def test_use_tis_without_rollout_logprobs_names_the_samples(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, use_tis=True)
+    batch = offset_batch(trainer)
+    batch.samples[1].rollout_logprobs = []
+    batch.samples[5].rollout_logprobs = []
+    with pytest.raises(ValueError, match=r"train\.use_tis needs rollout_logprobs .* samples \[1, 5\] lack them"):
+        trainer.step(batch)
+    # a failed sample (reward None) trains nothing, so it needs none
+    batch.samples[1].reward = batch.samples[5].reward = None
+    assert trainer.step(batch)["num_optimizer_steps"] == 1
+
+
+def test_rollout_correction_config_is_validated():
+    with pytest.raises(ValidationError, match="tis_clip_low=2.0 must be below train.tis_clip=2.0"):
+        TrainConfig(tis_clip_low=2.0)
+    with pytest.raises(ValidationError, match="use_tis needs train.old_logprobs='recompute'"):
+        TrainConfig(use_tis=True, old_logprobs="rollout")
+    with pytest.raises(ValidationError, match="tis_clip"):
+        TrainConfig(tis_clip=0.0)
+    with pytest.raises(ValidationError, match="tis_mode"):
+        TrainConfig(tis_mode="sequence")
+
+
+# ------------------------------------------------------------------------- steps per rollout batch
+
+
+def record_steps(trainer):
+    """Wrap the trainer's optimizer step to keep each step's metrics."""
+    steps, original = [], trainer._optimizer_step
+
+    def recorded(minibatch, temperature):
+        metrics = original(minibatch, temperature)
+        steps.append(metrics)
+        return metrics
+
+    trainer._optimizer_step = recorded
+    return steps
+
+
+def test_num_steps_per_rollout_takes_k_steps_and_reports_their_drift(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, global_batch_size=None, num_steps_per_rollout=4, micro_batch_size=3)
+    steps = record_steps(trainer)
+    metrics = trainer.step(make_batch(REWARDS_A))
+    assert metrics["num_optimizer_steps"] == 4 and trainer.version == 4 and len(steps) == 4
+    # step 1 runs the weights that recomputed the old logprobs: every ratio is exactly 1
+    assert steps[0]["ratio_dev"] == 0.0 and steps[0]["clipfrac"] == 0.0
+    # steps 2..4 run weights already moved by the earlier steps
+    assert all(s["ratio_dev"] > 0 for s in steps[1:])
+    assert metrics["offpolicy_ratio_dev"] == pytest.approx(sum(s["ratio_dev"] for s in steps[1:]) / 3)
+    assert metrics["offpolicy_clipfrac"] == pytest.approx(sum(s["clipfrac"] for s in steps[1:]) / 3)
+    # the all-steps mean includes the on-policy first step: (0 + 3 * offpolicy) / 4
+    assert metrics["ratio_dev"] == pytest.approx(3 * metrics["offpolicy_ratio_dev"] / 4)
+    # one step per batch: nothing is off-policy, so no offpolicy_* metrics
+    single = make_trainer(tiny_model_dir, tmp_path, global_batch_size=None).step(make_batch(REWARDS_A))
+    assert "offpolicy_ratio_dev" not in single and single["ratio_dev"] == 0.0
+
+
+def test_num_steps_per_rollout_and_global_batch_size_resolve_to_minibatch_sizes():
+    assert TrainConfig().minibatch_sizes(8) == [8]
+    assert TrainConfig(global_batch_size=3).minibatch_sizes(8) == [3, 3, 2]
+    assert TrainConfig(num_steps_per_rollout=4).minibatch_sizes(8) == [2, 2, 2, 2]
+    assert TrainConfig(num_steps_per_rollout=3).minibatch_sizes(10) == [4, 3, 3]  # 10 = 4 + 3 + 3
+    assert TrainConfig(global_batch_size=2, num_steps_per_rollout=4).minibatch_sizes(8) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match=r"global_batch_size=4 and train.num_steps_per_rollout=3 disagree"):
+        TrainConfig(global_batch_size=4, num_steps_per_rollout=3).minibatch_sizes(8)
+    with pytest.raises(ValueError, match="num_steps_per_rollout=9 exceeds the batch's 8 samples"):
+        TrainConfig(num_steps_per_rollout=9).minibatch_sizes(8)
+    with pytest.raises(ValidationError, match="num_steps_per_rollout"):
+        TrainConfig(num_steps_per_rollout=0)
+
+
+def test_trainer_refuses_disagreeing_batch_settings(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, global_batch_size=4, num_steps_per_rollout=3)
+    with pytest.raises(ValueError, match="disagree: a batch of 8 samples"):
+        trainer.step(make_batch(REWARDS_A))
+    assert trainer.version == 0
