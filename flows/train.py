@@ -3,9 +3,14 @@
 Sync mode, per step k: ``rollout-k`` (generate + reward, one segment appended to the run's sample
 stream) -> ``train-k`` (read that segment, optimizer step(s), publish weights version v) ->
 ``push-weights-v`` (the engine loads v from the weight store). Held-out evaluation runs before
-training, every ``eval.eval_interval`` steps and after the last step. Per-step metrics go to
+training, every ``eval.eval_interval`` steps and after the last step; a checkpoint is saved every
+``checkpoint.save_interval`` steps and after the last one. Per-step metrics go to
 ``metrics.jsonl`` in the run folder and to Prefect artifacts (a progress bar during the run, a
 metrics table and a markdown summary at the end).
+
+Resuming: a ``cfg.run_id`` naming a run with a checkpoint at step k goes on from step k + 1
+(``resume-run``; see ``RunSession.resume``) up to ``rollout.num_rollout``, keeping the run's
+evaluation before training. A run with steps done but no checkpoint fails rather than start over.
 """
 
 from __future__ import annotations
@@ -18,8 +23,17 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
-from miles_core.run import close_session, get_session
-from tasks.train import check_data, evaluate, prepare_run, push_weights, rollout, train_step
+from miles_core.run import checkpoint_due, close_session, get_session
+from tasks.train import (
+    check_data,
+    evaluate,
+    prepare_run,
+    push_weights,
+    resume_run,
+    rollout,
+    save_checkpoint,
+    train_step,
+)
 
 
 def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
@@ -43,7 +57,8 @@ def _due(cfg: RunConfig, step: int) -> bool:
 
 @flow(name="train", flow_run_name="{cfg.name}", validate_parameters=True)
 def train(cfg: RunConfig) -> dict[str, Any]:
-    """Train a policy with GRPO; returns the run summary (before/after accuracy, where things are)."""
+    """Train a policy with GRPO; returns the run summary (before/after accuracy, where things are).
+    An existing run (``cfg.run_id``) with a checkpoint resumes from it."""
     log = get_run_logger()
     t_start = time.perf_counter()
     cfg = with_block_credentials(cfg)
@@ -51,16 +66,18 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     session = get_session(cfg, refs)
     log.info("run %s: %s", refs.run_id, refs.run_dir)
     total = cfg.rollout.num_rollout
-    progress = create_progress_artifact(0.0, key=None, description=f"{cfg.name}: steps done out of {total}")
-    before = None
     try:
         counts = check_data(cfg, refs)
         log.info("prompts: %d for training, %d held out", counts["train_prompts"], counts["eval_prompts"])
-        if not cfg.eval.skip_eval_before_train:
-            before = evaluate(cfg, refs, 0)
-            log.info(_eval_line("before training", before))
-        after = before
-        for step in range(total):
+        start = resume_run(cfg, refs) or 0
+        if start:
+            log.info("resuming run %s from checkpoint at step %d (steps %d to %d to go)", refs.run_id, start,
+                     start + 1, total)
+        progress = create_progress_artifact(100.0 * start / total, key=None,
+                                            description=f"{cfg.name}: steps done out of {total}")
+        before = _before_training(cfg, refs, session, start, log)
+        after = session.eval_rows[-1] if session.eval_rows else None
+        for step in range(start, total):
             t0 = time.perf_counter()
             r = rollout(cfg, refs, step)
             t = train_step(cfg, refs, r)
@@ -71,11 +88,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 after = evaluate(cfg, refs, step + 1)
                 row["eval_accuracy"] = after["accuracy"]
             session.record(step + 1, row)
+            if checkpoint_due(cfg, step + 1):
+                save_checkpoint(cfg, refs, step + 1, r)
             log.info(_step_line(step, total, row))
             if "eval_accuracy" in row:
                 log.info(_eval_line(f"after step {step + 1}", after))
             update_progress_artifact(progress, 100.0 * (step + 1) / total)
-        summary = _summary(cfg, refs, session, before, after, time.perf_counter() - t_start)
+        summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
         session.finish(summary)
         _publish_artifacts(cfg, summary, session)
         return summary
@@ -83,9 +102,22 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         close_session(refs)
 
 
-def _summary(cfg, refs, session, before, after, seconds) -> dict[str, Any]:
+def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str, float] | None:
+    """The starting policy's evaluation: run now on a fresh run; a resumed run takes it from its
+    eval history (its engine no longer holds the starting weights)."""
+    if start > 0:
+        return next((e for e in session.eval_rows if e["step"] == 0), None)
+    if cfg.eval.skip_eval_before_train:
+        return None
+    before = evaluate(cfg, refs, 0)
+    log.info(_eval_line("before training", before))
+    return before
+
+
+def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any]:
     return {
         "run_id": refs.run_id,
+        "resumed_from_step": start or None,
         "run_dir": refs.run_dir,
         "model_dir": refs.model_dir,
         "steps": cfg.rollout.num_rollout,

@@ -12,6 +12,7 @@ Parts:
 - ``EngineConfig``: a tagged union of rollout engines (``HFEngineConfig`` for now).
 - ``TrainConfig``: batch sizes, optimizer, advantage and loss settings, trainer backend union.
 - ``EvalConfig``: held-out evaluation.
+- ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
 - ``StorageConfig``: where the run's samples, weights and metrics go.
 
 This module imports without torch, transformers or prefect (a test checks it).
@@ -152,6 +153,58 @@ class RolloutConfig(_Base):
     """Shuffle the prompt dataset each epoch (seeded by ``RunConfig.seed`` and the epoch)."""
     reward: str = "toy"
     """Reward function: a registered name (``toy``, ``math``, ``gsm8k``) or ``"module:function"``."""
+    reward_post_process_path: str | None = None
+    """``"module:function"`` called as ``fn(groups)`` (sync or async) after scoring, to change
+    rewards in place (e.g. a length penalty) before advantages are computed."""
+    custom_generate_function_path: str | None = None
+    """``"module:function"``: ``async def fn(ctx: GenerateContext, item: PromptItem) -> Sample``
+    makes each sample instead of one engine request (multi-turn, tool use). See
+    ``examples/multi_turn.py``."""
+    rollout_function_path: str | None = None
+    """``"module:function"``: ``fn(ctx: RolloutContext, step: int) -> list[Group]`` (sync or async)
+    replaces the whole generate-and-score step of sync and async modes; the groups must be scored."""
+
+
+class AsyncConfig(_Base):
+    """Async and fully-async execution (``RunConfig.mode``): how generation runs ahead of training."""
+
+    update_weights_interval: int = Field(default=1, ge=1)
+    """async: push weights to the engine every N training steps (samples are at most N versions
+    stale)."""
+    max_concurrent_samples: int = Field(default=256, ge=1)
+    """fully_async: samples in flight in the engine at once (Miles ``--async-max-concurrent-samples``)."""
+    submit_granularity: Literal["group", "sample"] = "group"
+    """fully_async: submit whole groups, or single samples so that a finished sample's slot is
+    refilled at once (backfill)."""
+    buffer_capacity_factor: float = Field(default=2.0, ge=1.0)
+    """fully_async: the producer is at most this many rollout batches ahead of the trainer (groups
+    in flight, finished, or written but not yet trained on); beyond it, it waits (back-pressure).
+    At least 1, or the trainer could never gather a batch."""
+    max_weight_staleness: int | None = Field(default=None, ge=0)
+    """fully_async: a group whose oldest span lags the trainer's version by more than this is not
+    trained on (None: no limit). Nothing is stale before the trainer's first update in the run."""
+    unused_samples_handler: Literal["drop", "retry"] = "drop"
+    """What happens to stale or aborted groups: counted and dropped, or their prompts regenerated."""
+    custom_data_buffer_path: str | None = None
+    """``"module:Class"`` of the trainer's buffer, built as ``Class(cfg: AsyncConfig, capacity: int)``
+    with ``put(groups)``, ``take(n, trainer_version) -> Taken`` and ``len()``; see
+    ``miles_core.rollout.buffer.DataBuffer``."""
+    dynamic_filters: list[str] = Field(default_factory=list)
+    """Dynamic-sampling filters applied to finished groups, by name (``nonzero_reward_std``,
+    ``not_all_failed``) or ``"module:function"`` taking ``(group) -> bool`` (True keeps it)."""
+    partial_rollout: bool = False
+    """On a weight update, abort in-flight requests and continue them under the new weights (each
+    span stamped with its version); on stop, save unfinished trajectories for the next producer."""
+    segment_max_groups: int = Field(default=8, ge=1)
+    """fully_async: the producer writes a segment once this many groups are finished..."""
+    segment_max_wait_s: float = Field(default=0.5, gt=0)
+    """...or once the oldest unwritten group has waited this long."""
+    no_progress_s: float = Field(default=30.0, gt=0)
+    """The trainer logs a warning each time it waits this long for data (Miles ``NO_PROGRESS``)."""
+    generation_retries: int = Field(default=2, ge=0)
+    """Retries of a failed generate call before its samples are marked failed (and counted)."""
+    weight_poll_s: float = Field(default=0.2, gt=0)
+    """fully_async: how often the producer looks for a newer weight version."""
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -164,7 +217,7 @@ class HFEngineConfig(_Base):
     device: str = "cpu"
     """torch device of the engine's model."""
     max_batch_size: int = 256
-    """Sequences generated in one batched ``generate`` call."""
+    """Sequences decoded together in one batch; concurrent ``generate`` calls share batches."""
     num_threads: int | None = None
     """torch intra-op threads for this process (None: leave torch's default)."""
 
@@ -192,7 +245,13 @@ class TrainConfig(_Base):
     backend: TrainerBackendConfig = Field(default_factory=TorchTrainerConfig)
     """Trainer implementation."""
     global_batch_size: int | None = None
-    """Samples per optimizer step (None: the whole rollout batch, one step per rollout)."""
+    """Samples per optimizer step (None: the whole rollout batch, one step per rollout, unless
+    ``num_steps_per_rollout`` is set)."""
+    num_steps_per_rollout: int | None = Field(default=None, ge=1)
+    """Optimizer steps per rollout batch, the batch cut into this many equal minibatches (sizes
+    differ by at most one sample). An alternative to ``global_batch_size``; with both set, they
+    must agree (``global_batch_size * num_steps_per_rollout`` = samples per batch). Steps after the
+    first train on samples drawn by older weights: see the ``offpolicy_*`` metrics."""
     micro_batch_size: int = 64
     """Samples per forward/backward pass; gradients accumulate up to ``global_batch_size``."""
     lr: float = 1e-4
@@ -220,12 +279,52 @@ class TrainConfig(_Base):
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where the PPO ratio's denominator comes from: a forward pass of the trainer's weights before
     the update, or the logprobs the rollout engine reported."""
+    use_tis: bool = False
+    """Rollout correction: weight each token's policy-gradient loss by the importance ratio
+    rho = exp(old_logprob - rollout_logprob) of the recomputed logprobs over the engine's, bounded
+    as ``tis_mode`` says. Needs ``old_logprobs = "recompute"`` and rollout logprobs on every sample."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate`` (TIS): weight clamp(rho, tis_clip_low, tis_clip). ``mask`` (MIS): tokens with rho
+    outside [tis_clip_low, tis_clip] are rejected (weight 0, and out of the loss denominator); the
+    others keep weight rho."""
+    tis_clip: float = Field(default=2.0, gt=0)
+    """Upper bound C of the importance ratio (truncated to C, or rejected above C)."""
+    tis_clip_low: float = Field(default=0.0, ge=0)
+    """Lower bound of the importance ratio (0: no lower bound)."""
     seed: int = 0
     """Seed of the trainer (shuffling of micro-batches, dropout)."""
+
+    @model_validator(mode="after")
+    def _check_rollout_correction(self) -> TrainConfig:
+        if self.tis_clip_low >= self.tis_clip:
+            raise ValueError(f"train.tis_clip_low={self.tis_clip_low} must be below train.tis_clip={self.tis_clip}")
+        if self.use_tis and self.old_logprobs == "rollout":
+            raise ValueError(
+                "train.use_tis needs train.old_logprobs='recompute': with the rollout logprobs as the PPO "
+                "denominator the importance ratio exp(old - rollout) is 1 on every token"
+            )
+        return self
 
     @property
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    def minibatch_sizes(self, num_samples: int) -> list[int]:
+        """Samples in each optimizer step of a batch of ``num_samples`` (the last one may be smaller
+        with ``global_batch_size``; sizes differ by at most one with ``num_steps_per_rollout``)."""
+        steps, size = self.num_steps_per_rollout, self.global_batch_size
+        if steps is None:
+            size = size or num_samples
+            return [min(size, num_samples - start) for start in range(0, num_samples, size)]
+        if size is not None and size * steps != num_samples:
+            raise ValueError(
+                f"train.global_batch_size={size} and train.num_steps_per_rollout={steps} disagree: a batch "
+                f"of {num_samples} samples needs global_batch_size * num_steps_per_rollout = {num_samples} "
+                "(set only one of them)"
+            )
+        if steps > num_samples:
+            raise ValueError(f"train.num_steps_per_rollout={steps} exceeds the batch's {num_samples} samples")
+        return [num_samples // steps + (1 if i < num_samples % steps else 0) for i in range(steps)]
 
 
 # ----------------------------------------------------------------------------------------- eval
@@ -252,6 +351,19 @@ class EvalConfig(_Base):
     """Skip the evaluation of the starting policy."""
 
 
+# ----------------------------------------------------------------------------------- checkpoint
+
+
+class CheckpointConfig(_Base):
+    """Trainer checkpoints in the run folder; a run with one resumes from it (same ``run_id``)."""
+
+    save_interval: int | None = Field(default=None, ge=1)
+    """Checkpoint every N training steps, and always after the last one (None: never, so the run
+    cannot be resumed)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Complete checkpoints kept in the run folder (the newest N; older ones are deleted)."""
+
+
 # -------------------------------------------------------------------------------------- storage
 
 
@@ -266,6 +378,9 @@ class StorageConfig(_Base):
     """Name of a saved Prefect ``Secret`` block whose value is a JSON object of extra storage
     options (e.g. ``{"key": ..., "secret": ...}``), merged into ``storage_options`` when the run
     starts. Without it, s3fs takes credentials from the environment as usual."""
+    segment_compression: Literal["zstd", "lz4", "none"] = "zstd"
+    """Codec of sample-stream segments. ``zstd`` is the smallest (for object storage); ``lz4`` and
+    ``none`` cost less CPU on fast local disks. Readers decode any of them."""
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -277,17 +392,21 @@ class RunConfig(_Base):
     name: str = "toy-addition"
     """Run name; the run folder is ``<storage.root>/<name>/<run_id>``."""
     run_id: str | None = None
-    """Run id (None: a fresh timestamped id)."""
-    mode: Literal["sync"] = "sync"
-    """Execution mode. ``sync``: rollout k, then train k, then push weights k."""
+    """Run id (None: a fresh timestamped id). An existing run with a checkpoint resumes from it."""
+    mode: Literal["sync", "async", "fully_async"] = "sync"
+    """Execution mode. ``sync``: rollout k, then train k, then push weights k. ``async``: rollout
+    k+1 runs while train k does (one step ahead). ``fully_async``: a producer generates for the
+    whole run into the sample stream and the trainer consumes from it."""
     seed: int = 0
     """Seed of prompt order and sampling."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=ToyDataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @model_validator(mode="after")
@@ -301,6 +420,17 @@ class RunConfig(_Base):
             )
         if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
             raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
+        self.train.minibatch_sizes(samples)  # global_batch_size and num_steps_per_rollout agree
+        if self.async_rollout.partial_rollout and self.rollout.custom_generate_function_path:
+            raise ValueError(
+                "async_rollout.partial_rollout cannot continue samples of a custom generate function "
+                "(rollout.custom_generate_function_path); turn one of them off"
+            )
+        if self.mode == "fully_async" and self.rollout.rollout_function_path:
+            raise ValueError(
+                "rollout.rollout_function_path replaces the rollout step of sync and async modes; in "
+                "fully_async mode use rollout.custom_generate_function_path (per sample) instead"
+            )
         return self
 
     @property

@@ -7,6 +7,9 @@
   ``get_session``; everything they hold can be rebuilt from the run folder and the config.
 - ``RunSession.rollout / train / push_weights / evaluate``: one step of each phase; each returns a
   small, JSON-able reference (offsets, versions, URIs, metrics), never tensors or sample lists.
+- ``RunSession.save_checkpoint / resume``: the trainer state and the prompt cursor after step k
+  go to ``checkpoints/step-<k>/`` (when ``checkpoint_due``); ``resume`` puts a run back to its
+  newest complete checkpoint, so the steps after it are redone exactly as they first ran.
 
 Prefect tasks in ``tasks/`` call these methods; ``flows/train.py`` orders them.
 """
@@ -41,6 +44,8 @@ class RolloutRef:
     offset: int
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    source_state: dict[str, Any] = field(default_factory=dict)
+    """The prompt cursor right after this rollout drew its prompts (what a checkpoint keeps)."""
 
 
 @dataclass
@@ -49,6 +54,12 @@ class TrainRef:
     version: int
     weights_uri: str
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the run saves a checkpoint after ``step`` (1-based) training steps."""
+    interval = cfg.checkpoint.save_interval
+    return interval is not None and (step % interval == 0 or step == cfg.rollout.num_rollout)
 
 
 def prepare_run(cfg: RunConfig, log=print) -> RunRefs:
@@ -102,7 +113,9 @@ class RunSession:
         self.cfg, self.refs = cfg, refs
         opts = cfg.storage.storage_options
         self.layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts)
-        self.stream = SampleStream(refs.run_dir, producer="rollout", storage_options=opts)
+        self.stream = SampleStream(
+            refs.run_dir, producer="rollout", storage_options=opts, compression=cfg.storage.segment_compression
+        )
         self.weights = WeightStore(self.layout.weights, storage_options=opts)
         self._loop = None
         self._metrics: list[dict[str, Any]] = []
@@ -199,14 +212,16 @@ class RunSession:
         t_gen = time.perf_counter() - t0
         stats = self._run(score_groups(self.reward_fn, groups))
         offset = self.stream.append([s for g in groups for s in g.samples])
-        self.layout.write_json(_SOURCE_STATE, self.source.state())
+        source_state = self.source.state()
+        self.layout.write_json(_SOURCE_STATE, source_state)
         metrics = rollout_metrics(groups)
         metrics.update(
             rollout_seconds=time.perf_counter() - t0,
             rollout_tokens_per_s=metrics["response_tokens"] / max(t_gen, 1e-9),
             reward_failed=float(stats.failed),
         )
-        return RolloutRef(step=step, offset=offset, num_samples=self.cfg.samples_per_rollout, metrics=metrics)
+        return RolloutRef(step=step, offset=offset, num_samples=self.cfg.samples_per_rollout, metrics=metrics,
+                          source_state=source_state)
 
     def train(self, rollout: RolloutRef) -> TrainRef:
         """Read the rollout's segment, compute GRPO advantages, step the trainer, publish weights."""
@@ -224,11 +239,15 @@ class RunSession:
         if metrics["num_optimizer_steps"] > 0:
             uri = self.trainer.export(version)
         else:  # nothing trainable in this batch (e.g. every sample failed): the engine keeps its weights
-            uri = self.weights.uri(version) if version > 0 else self.refs.model_dir
+            uri = self._weights_uri(version)
         reader.commit(rollout.offset)
         seconds = time.perf_counter() - t0
         metrics.update(train_seconds=seconds, train_tokens_per_s=metrics.get("train_tokens", 0.0) / max(seconds, 1e-9))
         return TrainRef(step=rollout.step, version=version, weights_uri=uri, metrics=metrics)
+
+    def _weights_uri(self, version: int) -> str:
+        """Where the policy of ``version`` is: its snapshot, or the starting model for version 0."""
+        return self.weights.uri(version) if version > 0 else self.refs.model_dir
 
     def push_weights(self, uri: str, version: int) -> float:
         t0 = time.perf_counter()
@@ -264,6 +283,85 @@ class RunSession:
     @property
     def metrics_rows(self) -> list[dict[str, Any]]:
         return list(self._metrics)
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        return list(self._evals)
+
+    # -- checkpoints
+
+    def save_checkpoint(self, step: int, source_state: dict[str, Any]) -> str:
+        """Save the run after ``step`` steps: the trainer state, then ``state.json`` (step, weight
+        version, ``source_state``: the prompt cursor of that step's rollout), which makes the
+        checkpoint complete. Then prunes to ``checkpoint.keep_checkpoints``; returns the folder."""
+        from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
+
+        self.trainer.save(self.layout.checkpoint(step, TRAINER_STATE))
+        state = {"step": step, "version": self.trainer.version, "data_source": source_state}
+        self.layout.write_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}", state)
+        self.layout.prune_checkpoints(self.cfg.checkpoint.keep_checkpoints)
+        return self.layout.checkpoint(step)
+
+    def resume(self) -> int | None:
+        """Put the run back to its newest complete checkpoint; returns its step (the next step to
+        run is that + 1), or None for a fresh run. Call it before the first rollout.
+
+        After the checkpoint at step k (weights version v):
+        - the trainer loads its state; the prompt cursor is the checkpoint's (``state/data_source.json``
+          may be newer), and is written back there so a rebuilt session agrees;
+        - the weight store rolls back to v (``WeightStore.rollback``: LATEST back to v, newer
+          versions deleted, since the redone steps publish them again), and the engine loads v;
+        - ``metrics.jsonl`` and ``eval.jsonl`` keep their rows of steps <= k;
+        - sample segments written by the redone steps stay in the stream as history (the redone
+          steps append new ones after them; the trainer reads each step's segment by offset), and
+          a stream closed by a finished run is reopened (its ``_END`` removed).
+
+        RuntimeError when the run has steps in ``metrics.jsonl`` but no checkpoint (it cannot go on
+        without redoing them over old data); ValueError when the checkpoint is past ``num_rollout``."""
+        from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
+
+        step = self.layout.latest_checkpoint()
+        if step is None:
+            if self.layout.read_jsonl("metrics.jsonl"):
+                raise RuntimeError(
+                    f"run {self.refs.run_id} ({self.refs.run_dir}) already has training steps in metrics.jsonl but "
+                    "no checkpoint to resume from; use a new run id, and set checkpoint.save_interval "
+                    "(--save-interval N) to make a run resumable"
+                )
+            return None
+        if step > self.cfg.rollout.num_rollout:
+            raise ValueError(
+                f"run {self.refs.run_id} has a checkpoint at step {step}, past rollout.num_rollout="
+                f"{self.cfg.rollout.num_rollout}; set --num-rollout to {step} or more to continue it"
+            )
+        state = self.layout.read_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}")
+        version = state["version"]
+        self.weights.rollback(version)
+        self.trainer.load(self.layout.checkpoint(step, TRAINER_STATE))
+        if self.trainer.version != version:
+            raise ValueError(f"checkpoint {self.layout.checkpoint(step)}: trainer state is at weights version "
+                             f"{self.trainer.version}, state.json says {version}")
+        self.layout.write_json(_SOURCE_STATE, state["data_source"])
+        if "source" in self.__dict__:
+            self.source.load_state(state["data_source"])
+        self._metrics = [r for r in self.layout.read_jsonl("metrics.jsonl") if r["step"] <= step]
+        self._evals = [r for r in self.layout.read_jsonl("eval.jsonl") if r["step"] <= step]
+        self.layout.write_jsonl("metrics.jsonl", self._metrics)
+        self.layout.write_jsonl("eval.jsonl", self._evals)
+        self._reopen_stream()
+        if "engine" in self.__dict__:  # else the engine loads the latest version, now v, when built
+            self.push_weights(self._weights_uri(version), version)
+        return step
+
+    def _reopen_stream(self) -> None:
+        """Remove the ``_END`` a finished run wrote, so the resumed run appends after its segments.
+        (The stream reads ``_END`` on its first append, which comes after this.)"""
+        from miles_core.storage.fs import join
+        from miles_core.storage.stream import END_MARKER
+
+        end = join(self.stream.path, END_MARKER)
+        if self.stream.fs.exists(end):
+            self.stream.fs.rm_file(end)
 
     def finish(self, summary: dict[str, Any]) -> None:
         """End the run's sample stream (readers see ``_END``) and write ``summary.json``."""

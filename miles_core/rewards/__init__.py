@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import numbers
 from collections.abc import Awaitable, Callable
@@ -69,21 +68,9 @@ def get_reward(spec: str) -> RewardFn:
             f"unknown reward {spec!r}; use a registered name ({', '.join(registered_rewards())}) "
             "or 'package.module:function' for a custom one"
         )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"reward {spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
-            "check the spelling and that the module is installed or on PYTHONPATH"
-        ) from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(
-            f"reward {spec!r}: module {module_name!r} has no function {attr!r}; "
-            "write the spec as 'package.module:function'"
-        )
-    return fn
+    from miles_core.plugins import load_object
+
+    return load_object(spec, "reward")
 
 
 # -------------------------------------------------------------------------------------- driver
@@ -203,3 +190,28 @@ def math_answer(sample: Sample) -> float:
     from miles_core.rewards.math import math_reward
 
     return math_reward(sample.response, sample.label)
+
+
+# -------------------------------------------------------------------------------- post-process
+
+
+def load_post_process(path: str | None) -> Callable[[list[Group]], Any] | None:
+    """The ``rollout.reward_post_process_path`` function, or None."""
+    if path is None:
+        return None
+    from miles_core.plugins import load_object
+
+    return load_object(path, "reward post-process function")
+
+
+async def post_process_rewards(fn: Callable[[list[Group]], Any] | None, groups: list[Group]) -> None:
+    """Let ``fn(groups)`` (sync or async) change rewards in place after scoring."""
+    if fn is None:
+        return
+    result = fn(groups)
+    if inspect.isawaitable(result):
+        await result
+    bad = [f"group {s.group_index} sample {s.sample_index}" for g in groups for s in g.samples
+           if s.reward is not None and not isinstance(s.reward, (int, float))]
+    if bad:
+        raise TypeError(f"reward post-process left non-numeric rewards on {bad[:5]}")

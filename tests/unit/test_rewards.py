@@ -146,7 +146,7 @@ def test_custom_module_function_spec(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = get_reward("my_rewards_mod:length")
     assert fn(sample("abc")) == 3.0
-    with pytest.raises(ValueError, match=r"'my_rewards_mod:nope': module 'my_rewards_mod' has no function 'nope'"):
+    with pytest.raises(ValueError, match=r"'my_rewards_mod:nope': module 'my_rewards_mod' has no attribute 'nope'"):
         get_reward("my_rewards_mod:nope")
 
 
