@@ -1,4 +1,11 @@
-"""The training flow: ``train(cfg)`` is one run.
+"""The training flow: ``train(cfg)`` is one run, in the execution mode ``cfg.mode`` names.
+
+- ``sync``: rollout k, train k, push weights k.
+- ``async``: rollout k+1 is submitted before train k (they overlap); weights are pushed every
+  ``update_weights_interval`` steps once no training rollout is in flight.
+- ``fully_async``: a ``rollout-producer`` task generates for the whole run into the sample stream
+  (bounded ahead of the trainer, staleness-filtered on the trainer's side); ``train-k`` tasks
+  consume. Stopping, failing or cancelling the flow stops the producer (whole segments only).
 
 Sync mode, per step k: ``rollout-k`` (generate + reward, one segment appended to the run's sample
 stream) -> ``train-k`` (read that segment, optimizer step(s), publish weights version v) ->
@@ -16,6 +23,7 @@ evaluation before training. A run with steps done but no checkpoint fails rather
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -23,7 +31,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
-from miles_core.run import checkpoint_due, close_session, get_session
+from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
 from tasks.train import (
     check_data,
     evaluate,
@@ -31,18 +39,23 @@ from tasks.train import (
     push_weights,
     resume_run,
     rollout,
+    rollout_producer,
     save_checkpoint,
+    train_from_stream,
     train_step,
 )
 
 
 def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
-    return (
-        f"step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | acc {row['accuracy']:.3f}"
-        f" | loss {row['loss']:+.4f} | gen {row['rollout_tokens_per_s']:,.0f} tok/s"
-        f" | rollout {row['rollout_seconds']:.1f}s train {row['train_seconds']:.1f}s push {row['push_seconds']:.2f}s"
-        f" | step {row['step_seconds']:.1f}s"
-    )
+    line = f"step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | acc {row['accuracy']:.3f} | loss {row['loss']:+.4f}"
+    if "rollout_seconds" in row:
+        line += f" | gen {row['rollout_tokens_per_s']:,.0f} tok/s | rollout {row['rollout_seconds']:.1f}s"
+    else:  # fully async: the producer's side
+        line += f" | producer {row.get('async/producer_throughput_qps', 0.0):,.0f} samples/s"
+    line += f" | train {row['train_seconds']:.1f}s push {row['push_seconds']:.2f}s | waited {row['trainer_wait_seconds']:.1f}s"
+    if row.get("staleness_max"):
+        line += f" | staleness max {row['staleness_max']:.0f}"
+    return line + f" | step {row['step_seconds']:.1f}s"
 
 
 def _eval_line(label: str, ev: dict[str, float]) -> str:
@@ -77,18 +90,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                             description=f"{cfg.name}: steps done out of {total}")
         before = _before_training(cfg, refs, session, start, log)
         after = session.eval_rows[-1] if session.eval_rows else None
-        for step in range(start, total):
-            t0 = time.perf_counter()
-            r = rollout(cfg, refs, step)
-            t = train_step(cfg, refs, r)
-            push_s = push_weights(cfg, refs, t)
-            row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s}
-            row["step_seconds"] = time.perf_counter() - t0
+        steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
+        for step, row, r in steps(cfg, refs, session, start):
             if _due(cfg, step):
-                after = evaluate(cfg, refs, step + 1)
+                after = _evaluate_now(cfg, refs, session, step + 1)
                 row["eval_accuracy"] = after["accuracy"]
             session.record(step + 1, row)
-            if checkpoint_due(cfg, step + 1):
+            if r is not None and checkpoint_due(cfg, step + 1):
                 save_checkpoint(cfg, refs, step + 1, r)
             log.info(_step_line(step, total, row))
             if "eval_accuracy" in row:
@@ -100,6 +108,87 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         return summary
     finally:
         close_session(refs)
+
+
+# ------------------------------------------------------------------------------ execution modes
+# Each yields (step, metrics row, rollout ref or None) after every training step; the flow
+# evaluates, records and checkpoints in between. Their ``finally`` leaves nothing running.
+
+
+def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
+    """rollout k -> train k -> push weights k."""
+    for step in range(start, cfg.rollout.num_rollout):
+        t0 = time.perf_counter()
+        r = rollout(cfg, refs, step)
+        t = train_step(cfg, refs, r)
+        push_s = push_weights(cfg, refs, t)
+        row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s}
+        row["step_seconds"] = time.perf_counter() - t0
+        row["trainer_wait_seconds"] = r.metrics["rollout_seconds"]
+        yield step, _with_idle(row), r
+
+
+def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
+    """Rollout k+1 is submitted before train k, so the two overlap. Weights are pushed (every
+    ``update_weights_interval`` steps, and after the last) only once that rollout has finished:
+    samples are at most ``update_weights_interval`` versions stale."""
+    total, interval = cfg.rollout.num_rollout, cfg.async_rollout.update_weights_interval
+    ahead = rollout.submit(cfg, refs, start)
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            r = ahead.result()
+            waited = time.perf_counter() - t0
+            ahead = rollout.submit(cfg, refs, step + 1) if step + 1 < total else None
+            t = train_step(cfg, refs, r)
+            push_s = 0.0
+            if (step + 1) % interval == 0 or step + 1 == total:
+                t_wait = time.perf_counter()
+                if ahead is not None:  # no training rollout in flight while the weights change
+                    ahead.wait()
+                waited += time.perf_counter() - t_wait
+                push_s = push_weights(cfg, refs, t)
+            row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s}
+            row["step_seconds"] = time.perf_counter() - t0
+            row["trainer_wait_seconds"] = waited
+            yield step, _with_idle(row), r
+    finally:
+        if ahead is not None:
+            ahead.wait()
+
+
+def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, None]]:
+    """A ``rollout-producer`` task generates for the whole run; each ``train-k`` takes the next
+    ``rollout_batch_size`` trainable groups from the stream. The producer loads new versions itself."""
+    producer = rollout_producer.submit(cfg, refs)
+    try:
+        for step in range(start, cfg.rollout.num_rollout):
+            t0 = time.perf_counter()
+            t = train_from_stream(cfg, refs, step)
+            row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
+            yield step, _with_idle(row), None
+    finally:
+        session.stop_producer()
+        producer.wait(timeout=120)
+
+
+def _with_idle(row: dict[str, Any]) -> dict[str, Any]:
+    row["trainer_idle_fraction"] = min(1.0, row["trainer_wait_seconds"] / max(row["step_seconds"], 1e-9))
+    return row
+
+
+def _evaluate_now(cfg: RunConfig, refs: RunRefs, session, step: int) -> dict[str, float]:
+    """Evaluate the trainer's latest weights. In fully-async mode the producer is paused while
+    evaluation borrows the engine (and the engine is brought to the latest version first)."""
+    if cfg.mode != "fully_async":
+        return evaluate(cfg, refs, step)
+    session.pause_producer()
+    try:
+        version = session.weights.latest() or 0
+        session.push_weights(session._weights_uri(version), version)
+        return evaluate(cfg, refs, step)
+    finally:
+        session.resume_producer()
 
 
 def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str, float] | None:

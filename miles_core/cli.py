@@ -194,7 +194,8 @@ def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """Defaults <- TOML file <- flags <- --set, validated once at the end."""
     data: dict[str, Any] = RunConfig.from_toml(args.config).model_dump() if args.config else {}
-    overrides = {k: v for k, v in vars(args).items() if "." in k or k in ("name", "run_id", "seed")}
+    top_level = {path for path in FLAGS.values() if "." not in path}
+    overrides = {k: v for k, v in vars(args).items() if "." in k or k in top_level}
     for key, value in overrides.items():
         if key.startswith("switch:"):
             continue

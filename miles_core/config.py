@@ -426,6 +426,11 @@ class RunConfig(_Base):
                 "async_rollout.partial_rollout cannot continue samples of a custom generate function "
                 "(rollout.custom_generate_function_path); turn one of them off"
             )
+        if self.mode == "fully_async" and self.checkpoint.save_interval is not None:
+            raise ValueError(
+                "checkpoint.save_interval: fully_async runs cannot be checkpointed and resumed yet "
+                "(the producer's in-flight state is not part of a checkpoint); use sync or async mode"
+            )
         if self.mode == "fully_async" and self.rollout.rollout_function_path:
             raise ValueError(
                 "rollout.rollout_function_path replaces the rollout step of sync and async modes; in "

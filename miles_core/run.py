@@ -20,10 +20,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
 from miles_core.rollout.generate import PromptItem, generate_groups, rollout_metrics, sampling_params
+from miles_core.types import Group, SampleStatus
+
+if TYPE_CHECKING:
+    from miles_core.rewards import RewardStats
 
 
 _SOURCE_STATE = "state/data_source.json"
@@ -193,24 +197,49 @@ class RunSession:
 
     # -- phases
 
-    def rollout(self, step: int) -> RolloutRef:
-        """Sample a batch of prompts, generate n responses each, score them, append one segment."""
-        from miles_core.rewards import score_groups
-
+    @cached_property
+    def sampling(self):
         r = self.cfg.rollout
-        t0 = time.perf_counter()
-        rows = self.source.next_batch(r.rollout_batch_size)
-        items = _render(rows, self.cfg.data, self.tokenizer)
-        params = sampling_params(
+        return sampling_params(
             r.rollout_max_response_len, r.rollout_temperature, r.rollout_top_p, r.rollout_top_k,
             r.rollout_stop, r.rollout_stop_token_ids,
         )
-        seed = self.cfg.seed * 1_000_003 + step * 10_007
-        groups = self._run(
-            generate_groups(self.engine, items, r.n_samples_per_prompt, params, step * r.rollout_batch_size, seed)
-        )
+
+    @cached_property
+    def custom_generate(self):
+        from miles_core.rollout.generate import load_custom_generate
+
+        return load_custom_generate(self.cfg.rollout.custom_generate_function_path)
+
+    def next_prompts(self, n: int) -> list[PromptItem]:
+        """The next ``n`` training prompts, rendered and tokenized."""
+        return _render(self.source.next_batch(n), self.cfg.data, self.tokenizer)
+
+    async def score(self, groups: list[Group]) -> RewardStats:
+        """Score groups in place with the run's reward, then its reward post-processing."""
+        from miles_core.rewards import load_post_process, post_process_rewards, score_groups
+
+        stats = await score_groups(self.reward_fn, groups)
+        await post_process_rewards(load_post_process(self.cfg.rollout.reward_post_process_path), groups)
+        return stats
+
+    def rollout(self, step: int) -> RolloutRef:
+        """Sample a batch of prompts, generate n responses each, score them, append one segment.
+        A custom rollout function (``rollout.rollout_function_path``) does the generating and scoring."""
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        if r.rollout_function_path is not None:
+            groups = self._custom_rollout(step)
+            failed = sum(s.status is SampleStatus.FAILED for g in groups for s in g.samples)
+        else:
+            items = self.next_prompts(r.rollout_batch_size)
+            seed = self.cfg.seed * 1_000_003 + step * 10_007
+            groups = self._run(generate_groups(
+                self.engine, items, r.n_samples_per_prompt, self.sampling, step * r.rollout_batch_size, seed,
+                custom=self.custom_generate, tokenizer=self.tokenizer,
+            ))
+            failed = self._run(self.score(groups)).failed
         t_gen = time.perf_counter() - t0
-        stats = self._run(score_groups(self.reward_fn, groups))
         offset = self.stream.append([s for g in groups for s in g.samples])
         source_state = self.source.state()
         self.layout.write_json(_SOURCE_STATE, source_state)
@@ -218,19 +247,36 @@ class RunSession:
         metrics.update(
             rollout_seconds=time.perf_counter() - t0,
             rollout_tokens_per_s=metrics["response_tokens"] / max(t_gen, 1e-9),
-            reward_failed=float(stats.failed),
+            reward_failed=float(failed),
         )
-        return RolloutRef(step=step, offset=offset, num_samples=self.cfg.samples_per_rollout, metrics=metrics,
-                          source_state=source_state)
+        return RolloutRef(step=step, offset=offset, num_samples=sum(len(g.samples) for g in groups),
+                          metrics=metrics, source_state=source_state)
+
+    def _custom_rollout(self, step: int) -> list[Group]:
+        from miles_core.rollout.custom import RolloutContext, run_rollout_function
+
+        ctx = RolloutContext(self.cfg, self.engine, self.tokenizer, self.next_prompts, self.sampling, self.score)
+        return self._run(run_rollout_function(self.cfg.rollout.rollout_function_path, ctx, step))
 
     def train(self, rollout: RolloutRef) -> TrainRef:
         """Read the rollout's segment, compute GRPO advantages, step the trainer, publish weights."""
-        from miles_core.train.base import TrainBatch
         from miles_core.types import regroup
 
         t0 = time.perf_counter()
-        reader = self.stream.reader("trainer")
         groups = regroup(self.stream.read_segment(rollout.offset).samples())
+        ref = self.train_groups(rollout.step, groups)
+        self.stream.reader("trainer").commit(rollout.offset)
+        ref.metrics["train_seconds"] = time.perf_counter() - t0
+        return ref
+
+    def train_groups(self, step: int, groups: list[Group]) -> TrainRef:
+        """One training step on ``groups``: advantages, optimizer step(s), publish the new version.
+        Metrics include how stale the groups were (versions between the trainer and their oldest span)."""
+        from miles_core.rollout.buffer import group_lag
+        from miles_core.train.base import TrainBatch
+
+        t0 = time.perf_counter()
+        lags = [group_lag(g, self.trainer.version) for g in groups]
         batch = TrainBatch.from_groups(
             groups, self.cfg.rollout.rollout_temperature, normalize_std=self.cfg.train.advantage_std_normalize
         )
@@ -240,10 +286,14 @@ class RunSession:
             uri = self.trainer.export(version)
         else:  # nothing trainable in this batch (e.g. every sample failed): the engine keeps its weights
             uri = self._weights_uri(version)
-        reader.commit(rollout.offset)
         seconds = time.perf_counter() - t0
-        metrics.update(train_seconds=seconds, train_tokens_per_s=metrics.get("train_tokens", 0.0) / max(seconds, 1e-9))
-        return TrainRef(step=rollout.step, version=version, weights_uri=uri, metrics=metrics)
+        metrics.update(
+            train_seconds=seconds,
+            train_tokens_per_s=metrics.get("train_tokens", 0.0) / max(seconds, 1e-9),
+            staleness_mean=sum(lags) / max(len(lags), 1),
+            staleness_max=float(max(lags, default=0)),
+        )
+        return TrainRef(step=step, version=version, weights_uri=uri, metrics=metrics)
 
     def _weights_uri(self, version: int) -> str:
         """Where the policy of ``version`` is: its snapshot, or the starting model for version 0."""
@@ -363,6 +413,99 @@ class RunSession:
         if self.stream.fs.exists(end):
             self.stream.fs.rm_file(end)
 
+    # -- fully async: a producer for the whole run, a trainer that consumes
+
+    @cached_property
+    def producer(self):
+        from dataclasses import replace
+
+        from miles_core.rollout.producer import RolloutProducer
+
+        return RolloutProducer(
+            self.cfg, self.engine, _PromptSupply(self), self.score, self.stream, self.layout, self.weights,
+            replace(self.sampling, seed=self.cfg.seed * 1_000_003), custom_generate=self.custom_generate,
+            tokenizer=self.tokenizer,
+        )
+
+    def run_producer(self) -> dict[str, Any]:
+        """Run the producer until ``stop_producer``; its exception is kept for the trainer to raise."""
+        from dataclasses import asdict
+
+        try:
+            return asdict(self._run(self.producer.run()))
+        except BaseException as e:
+            self._producer_error = e
+            raise
+
+    def stop_producer(self) -> None:
+        if "producer" in self.__dict__:
+            self.producer.request_stop()
+
+    def pause_producer(self) -> None:
+        """Hold the producer until no request is in the engine (evaluation borrows it)."""
+        if "producer" in self.__dict__:
+            self._run(self.producer.pause())
+
+    def resume_producer(self) -> None:
+        if "producer" in self.__dict__:
+            self._run(self.producer.resume())
+
+    def _check_producer(self) -> None:
+        error = self.__dict__.get("_producer_error")
+        if error is not None:
+            raise error
+
+    def feed(self, warn=None):
+        """The trainer's side of the stream (built once; ``warn`` receives no-progress warnings)."""
+        if "_feed" not in self.__dict__:
+            from miles_core.rollout.buffer import make_buffer
+            from miles_core.rollout.consumer import GroupFeed
+
+            a = self.cfg.async_rollout
+            capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
+            buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
+            kwargs = {"warn": warn} if warn is not None else {}
+            self._feed = GroupFeed(self.stream, buffer, a, producer_check=self._check_producer, **kwargs)
+            self._producer_seen = (time.monotonic(), 0, 0.0)
+        return self._feed
+
+    def train_from_stream(self, step: int, warn=None) -> TrainRef:
+        """Wait for ``rollout_batch_size`` trainable groups from the producer, train on them,
+        publish the new version (the producer loads it), and report the step's async metrics."""
+        t0 = time.perf_counter()
+        feed = self.feed(warn)
+        batch = feed.next_batch(self.cfg.rollout.rollout_batch_size, self.trainer.version)
+        drained = time.perf_counter() - t0
+        ref = self.train_groups(step, batch.groups)
+        feed.commit()
+        metrics = ref.metrics
+        metrics.update(rollout_metrics(batch.groups))
+        metrics.update(batch.metrics)
+        metrics.update(self._producer_metrics())
+        metrics["async/consumer_drain_seconds"] = drained
+        metrics["trainer_wait_seconds"] = batch.wait_seconds
+        return ref
+
+    def _producer_metrics(self) -> dict[str, float]:
+        """Producer throughput and idle share since the last step (from its live counters)."""
+        if "producer" not in self.__dict__:
+            return {}
+        stats, scheduler = self.producer.stats, self.producer.scheduler
+        now = time.monotonic()
+        idle = scheduler.idle_seconds() if scheduler is not None else 0.0
+        t_prev, samples_prev, idle_prev = self._producer_seen
+        self._producer_seen = (now, stats.samples_finished, idle)
+        span = max(now - t_prev, 1e-9)
+        return {
+            "async/producer_throughput_qps": (stats.samples_finished - samples_prev) / span,
+            "async/producer_idle_fraction": min(1.0, (idle - idle_prev) / span),
+            "async/in_flight_samples": float(scheduler.in_flight if scheduler is not None else 0),
+            "async/weight_updates": float(stats.weight_updates),
+            "async/groups_filtered": float(sum(stats.groups_filtered.values())),
+            "async/samples_failed": float(stats.samples_failed),
+            "async/generation_errors": float(stats.generation_errors),
+        }
+
     def finish(self, summary: dict[str, Any]) -> None:
         """End the run's sample stream (readers see ``_END``) and write ``summary.json``."""
         self.stream.close()
@@ -372,6 +515,27 @@ class RunSession:
         if "engine" in self.__dict__:
             self._loop.run(self.engine.close())
             self._loop.close()
+
+
+class _PromptSupply:
+    """The producer's view of the run's prompts (``DataSource`` plus rendering)."""
+
+    def __init__(self, session: RunSession) -> None:
+        self.session = session
+
+    def next(self) -> PromptItem:
+        return self.session.next_prompts(1)[0]
+
+    def push_back(self, prompt_indices: list[int]) -> None:
+        from types import SimpleNamespace
+
+        self.session.source.push_back([SimpleNamespace(index=i) for i in prompt_indices])
+
+    def state(self) -> dict[str, Any]:
+        return self.session.source.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.session.source.load_state(state)
 
 
 _SESSIONS: dict[str, RunSession] = {}

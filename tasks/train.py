@@ -49,3 +49,15 @@ def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
 @task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
 def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: RolloutRef) -> str:
     return get_session(cfg, refs).save_checkpoint(step, rollout_ref.source_state)
+
+
+@task(name="rollout-producer", cache_policy=NO_CACHE, task_run_name="rollout-producer")
+def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
+    """Fully async: generate into the sample stream until the flow stops the producer."""
+    return get_session(cfg, refs).run_producer()
+
+
+@task(name="train", cache_policy=NO_CACHE, task_run_name="train-{step}")
+def train_from_stream(cfg: RunConfig, refs: RunRefs, step: int) -> TrainRef:
+    """Fully async: wait for a batch of groups from the producer and train on it."""
+    return get_session(cfg, refs).train_from_stream(step, warn=get_run_logger().warning)

@@ -547,3 +547,41 @@ def test_custom_generate_is_used_by_generate_groups():
     assert [s.group_index for s in groups[0].samples] == [10, 10, 10]
     assert [s.sample_index for s in groups[0].samples] == [0, 1, 2]
     assert groups[0].samples[0].loss_mask == [1, 1, 1, 0, 1, 1]
+
+
+def test_custom_rollout_function_example_keeps_the_informative_groups():
+    from miles_core.rollout.custom import RolloutContext, run_rollout_function
+
+    # responses of 1..4 tokens: reward len % 2 varies within a group only if lengths differ
+    engine = ScriptedEngine(script=lambda req: [1] * (1 + (req.sampling.seed or 0) % (4 if req.prompt_ids[0] % 2 else 1)))
+    drawn: list[int] = []
+
+    def next_prompts(n):
+        items = [PromptItem(f"p{i}", [1 + i, 2], None, i, {}) for i in range(len(drawn), len(drawn) + n)]
+        drawn.extend(range(len(drawn), len(drawn) + n))
+        return items
+
+    cfg = RunConfig(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4})
+    ctx = RolloutContext(cfg, engine, CharTokenizer(), next_prompts, SamplingParams(max_new_tokens=8), score)
+    groups = asyncio.run(run_rollout_function("examples.custom_rollout:rollout", ctx, step=2))
+    assert len(drawn) == 6 and len(groups) == 3  # drew twice the batch, kept the batch
+    assert all(len({s.reward for s in g.samples}) > 1 for g in groups), "the informative groups are kept"
+    assert {g.group_index for g in groups} <= set(range(12, 18))
+
+
+def test_custom_rollout_function_results_are_checked():
+    from miles_core.rollout.custom import RolloutContext, run_rollout_function
+
+    ctx = RolloutContext(RunConfig(), ScriptedEngine(), None, lambda n: [], SamplingParams(), score)
+    with pytest.raises(TypeError, match="must return a non-empty list of Group"):
+        asyncio.run(run_rollout_function(f"{__name__}:returns_dicts", ctx, 0))
+    with pytest.raises(ValueError, match="1 samples have no reward.*ctx.score"):
+        asyncio.run(run_rollout_function(f"{__name__}:unscored", ctx, 0))
+
+
+def returns_dicts(ctx, step):
+    return [{"prompt": "x"}]
+
+
+async def unscored(ctx, step):
+    return [Group([Sample("p", [1], [2])])]

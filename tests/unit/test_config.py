@@ -75,6 +75,32 @@ def test_flags_override_toml_and_set_reaches_any_field(tmp_path):
     assert cfg.model.tiny.hidden_size == 64
 
 
+def test_mode_flags_and_async_settings(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('mode = "sync"\n')
+    cfg = _cfg("--config", str(path), "--mode", "async", "--update-weights-interval", "2")
+    assert cfg.mode == "async" and cfg.async_rollout.update_weights_interval == 2
+    cfg = _cfg("--fully-async", "--async-max-concurrent-samples", "64", "--max-weight-staleness", "3",
+               "--async-unused-samples-handler", "retry", "--partial-rollout", "--dynamic-sampling-filters",
+               "nonzero_reward_std", "--async-submit-granularity", "sample")
+    a = cfg.async_rollout
+    assert cfg.mode == "fully_async" and a.max_concurrent_samples == 64 and a.max_weight_staleness == 3
+    assert a.unused_samples_handler == "retry" and a.partial_rollout and a.dynamic_filters == ["nonzero_reward_std"]
+    assert a.submit_granularity == "sample"
+
+
+def test_async_settings_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="buffer_capacity_factor"):
+        RunConfig.model_validate({"async_rollout": {"buffer_capacity_factor": 0.5}})
+    with pytest.raises(ValueError, match="fully_async runs cannot be checkpointed"):
+        RunConfig.model_validate({"mode": "fully_async", "checkpoint": {"save_interval": 5}})
+    with pytest.raises(ValueError, match="partial_rollout cannot continue samples of a custom generate"):
+        RunConfig.model_validate({"async_rollout": {"partial_rollout": True},
+                                  "rollout": {"custom_generate_function_path": "m:f"}})
+    with pytest.raises(ValueError, match="custom_generate_function_path.*instead"):
+        RunConfig.model_validate({"mode": "fully_async", "rollout": {"rollout_function_path": "m:f"}})
+
+
 def test_bad_config_errors_name_the_file_and_field(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train]\nlearning_rate = 0.1\n")
