@@ -263,3 +263,41 @@ def test_error_list_is_capped():
 
     stats = asyncio.run(score_groups(fn, groups_of([str(i) for i in range(8)])))
     assert stats.failed == 8 and len(stats.errors) == 5
+
+
+# ------------------------------------------------------------------------------ post-processing
+
+
+def length_penalty(groups):
+    """A reward post-process: 0.1 off per response token beyond 2 (documented example)."""
+    for g in groups:
+        for s in g.samples:
+            if s.reward is not None:
+                s.reward -= 0.1 * max(0, len(s.response_ids) - 2)
+
+
+async def async_bonus(groups):
+    for g in groups:
+        for s in g.samples:
+            s.reward = (s.reward or 0.0) + 1.0
+
+
+def to_text(groups):
+    groups[0].samples[0].reward = "high"
+
+
+def test_reward_post_process_changes_rewards_in_place_sync_and_async():
+    import asyncio
+
+    from miles_core.rewards import load_post_process, post_process_rewards
+    from miles_core.types import Group, Sample
+
+    groups = [Group([Sample("p", [1], [1, 2, 3, 4], reward=1.0), Sample("p", [1], [1], reward=0.0)])]
+    asyncio.run(post_process_rewards(load_post_process(f"{__name__}:length_penalty"), groups))
+    assert [s.reward for s in groups[0].samples] == pytest.approx([0.8, 0.0])
+    asyncio.run(post_process_rewards(load_post_process(f"{__name__}:async_bonus"), groups))
+    assert [s.reward for s in groups[0].samples] == pytest.approx([1.8, 1.0])
+    asyncio.run(post_process_rewards(None, groups))  # no post-process: nothing changes
+    assert [s.reward for s in groups[0].samples] == pytest.approx([1.8, 1.0])
+    with pytest.raises(TypeError, match="non-numeric rewards on \\['group 0 sample 0'\\]"):
+        asyncio.run(post_process_rewards(load_post_process(f"{__name__}:to_text"), groups))
