@@ -20,7 +20,6 @@ Resuming: a ``cfg.run_id`` naming a run with a checkpoint at step k goes on from
 evaluation before training. A run with steps done but no checkpoint fails rather than start over.
 """
 
-from __future__ import annotations
 
 import time
 from collections.abc import Iterator

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
+import functools
 from typing import TYPE_CHECKING, Any
 
 from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
@@ -105,6 +105,26 @@ def _render(rows, data_cfg, tokenizer) -> list[PromptItem]:
 
 # ----------------------------------------------------------------------------------- session
 
+_BUILD_LOCK = threading.RLock()
+
+
+def _built_once(method):
+    """Like ``functools.cached_property``, but threads that race to build the part wait for one
+    build (a fully-async run builds its engine and its trainer from two threads at once, and
+    transformers' ``from_pretrained`` is not safe to run concurrently: it inits on the meta device)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def get(self):
+        if name not in self.__dict__:
+            with _BUILD_LOCK:
+                if name not in self.__dict__:
+                    self.__dict__[name] = method(self)
+        return self.__dict__[name]
+
+    return property(get)
+
+
 
 class RunSession:
     """Process-local state of one run. Built lazily: a process that only trains never loads an engine."""
@@ -127,13 +147,13 @@ class RunSession:
 
     # -- lazily built parts
 
-    @cached_property
+    @_built_once
     def tokenizer(self):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.refs.model_dir)
 
-    @cached_property
+    @_built_once
     def engine(self):
         from miles_core.engines import setup_engine
         from miles_core.loop import LoopThread
@@ -147,7 +167,7 @@ class RunSession:
             self._loop.run(engine.update_weights(self.weights.uri(latest), latest))
         return engine
 
-    @cached_property
+    @_built_once
     def trainer(self):
         from miles_core.train import setup_trainer
 
@@ -156,7 +176,7 @@ class RunSession:
             storage_options=self.cfg.storage.storage_options,
         )
 
-    @cached_property
+    @_built_once
     def source(self):
         from miles_core.data.source import DataSource
 
@@ -167,7 +187,7 @@ class RunSession:
             source.load_state(saved)
         return source
 
-    @cached_property
+    @_built_once
     def eval_items(self) -> list[PromptItem]:
         ev = self.cfg.eval
         data_cfg = ev.data if ev.data is not None else self.cfg.data
@@ -175,13 +195,13 @@ class RunSession:
             raise ValueError("eval.data is required when training on a file dataset (set --eval-prompt-data)")
         return _render(_prompt_rows(data_cfg, "test", ev.num_prompts), data_cfg, self.tokenizer)
 
-    @cached_property
+    @_built_once
     def reward_fn(self):
         from miles_core.rewards import get_reward
 
         return get_reward(self.cfg.rollout.reward)
 
-    @cached_property
+    @_built_once
     def eval_reward_fn(self):
         from miles_core.rewards import get_reward
 
@@ -197,7 +217,7 @@ class RunSession:
 
     # -- phases
 
-    @cached_property
+    @_built_once
     def sampling(self):
         r = self.cfg.rollout
         return sampling_params(
@@ -205,7 +225,7 @@ class RunSession:
             r.rollout_stop, r.rollout_stop_token_ids,
         )
 
-    @cached_property
+    @_built_once
     def custom_generate(self):
         from miles_core.rollout.generate import load_custom_generate
 
@@ -415,7 +435,7 @@ class RunSession:
 
     # -- fully async: a producer for the whole run, a trainer that consumes
 
-    @cached_property
+    @_built_once
     def producer(self):
         from dataclasses import replace
 
