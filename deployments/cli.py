@@ -1,16 +1,19 @@
 """The ``miles`` command: parses flags into a ``RunConfig`` (``miles_core.cli``) and runs a command.
 
 Heavy imports (prefect, torch) happen only inside the command that needs them, so ``miles --help``
-and ``miles show-config`` answer at once.
+and ``miles show-config`` answer at once. ``miles engine-serve`` takes its own flags (not a run
+config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
 from miles_core.cli import build_parser, resolve_config
+from miles_core.engines import server as engine_server
 
 
 def _quiet_defaults() -> None:
@@ -21,8 +24,20 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def cli_parser() -> argparse.ArgumentParser:
+    """The run-config commands of ``miles_core.cli`` plus ``engine-serve``."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = "serve a model folder under SGLang's HTTP API (transformers engine, CPU)"
+    engine_server.add_arguments(sub.add_parser("engine-serve", help=text, description=text))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = cli_parser().parse_args(argv)
+    if args.command == "engine-serve":
+        _quiet_defaults()
+        return engine_server.run(args)
     if args.command == "config-doc":
         from miles_core.config_doc import config_markdown
 

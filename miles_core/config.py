@@ -9,7 +9,8 @@ Parts:
 - ``DataConfig``: a tagged union, ``FileDataConfig`` (JSONL / Parquet over fsspec) or
   ``ToyDataConfig`` (the synthetic addition task).
 - ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
-- ``EngineConfig``: a tagged union of rollout engines (``HFEngineConfig`` for now).
+- ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process) or
+  ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches).
 - ``TrainConfig``: batch sizes, optimizer, advantage and loss settings, trainer backend union.
 - ``EvalConfig``: held-out evaluation.
 - ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
@@ -222,7 +223,53 @@ class HFEngineConfig(_Base):
     """torch intra-op threads for this process (None: leave torch's default)."""
 
 
-EngineConfig = Annotated[Union[HFEngineConfig], Field(discriminator="type")]
+class SGLangEngineConfig(_Base):
+    """Rollout engine behind SGLang's HTTP API: a running server at ``url``, or one the run launches.
+
+    The client speaks SGLang's own endpoints (``/generate``, ``/update_weights_from_disk``, ...), so
+    ``url`` may be a real SGLang server or router. With ``url`` None the run starts a server as
+    ``launch`` says and stops it at the end."""
+
+    type: Literal["sglang"] = "sglang"
+    url: str | None = None
+    """Base URL of a running SGLang server or router, e.g. ``http://10.0.0.5:30000`` (None: start
+    a server as ``launch`` says). Weight snapshots must be readable by that server at the URIs the
+    run's weight store gives (a real SGLang server reads a local folder)."""
+    launch: Literal["hf-server"] = "hf-server"
+    """What to start when ``url`` is None. ``hf-server``: ``miles engine-serve``, the transformers
+    engine behind SGLang's endpoints, over the run's model, on CPU, in its own process."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """Launched server: torch intra-op threads (None: as many as ``cpu_affinity`` lists, else
+    torch's default)."""
+    cpu_affinity: list[int] | None = None
+    """Launched server: the CPU cores its process is pinned to (None: not pinned), so that the
+    trainer in this process and the engine do not share cores."""
+    max_batch_size: int = Field(default=256, ge=1)
+    """Launched server: sequences decoded together in one batch."""
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+    """Launched server: how long to wait for it to answer ``/health`` before giving up."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for one HTTP request to the server (a ``generate`` call returns when its
+    longest response is done)."""
+
+    @model_validator(mode="after")
+    def _check_url(self) -> SGLangEngineConfig:
+        if self.url is None:
+            return self
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine.url={self.url!r} must start with http:// or https://")
+        # compared with the defaults, not model_fields_set: a dumped and reloaded config sets every field
+        launch_fields = ("num_threads", "cpu_affinity", "max_batch_size", "startup_timeout_s")
+        launch_only = [f for f in launch_fields if getattr(self, f) != type(self).model_fields[f].default]
+        if launch_only:
+            raise ValueError(
+                f"engine.url is set, so nothing is launched: {', '.join(launch_only)} would be ignored; "
+                "remove them or remove engine.url"
+            )
+        return self
+
+
+EngineConfig = Annotated[Union[HFEngineConfig, SGLangEngineConfig], Field(discriminator="type")]
 
 
 # ---------------------------------------------------------------------------------------- train

@@ -1,9 +1,23 @@
 """Rollout engines: the ``RolloutEngine`` protocol (``base``) and its implementations.
 
 - ``setup_engine(cfg, model_dir, dtype, seed, storage_options)``: builds the engine an ``EngineConfig`` names.
-- ``hf``: the in-process transformers engine (CPU default), imported on first use.
+- ``hf``: ``HFEngine``, the in-process transformers engine (CPU default), imported on first use.
+- ``sglang``: ``SGLangEngine``, a client of SGLang's HTTP API (``engine.type = "sglang"``): real
+  SGLang servers on GPUs, or the stand-in below. One ``POST /generate`` per ``generate`` call.
+- ``server``: the stand-in, an HTTP server that serves an ``HFEngine`` under SGLang's endpoints and
+  JSON shapes (``miles engine-serve``), and ``LocalEngineServer``, which runs it as a child process.
+  With ``engine.url`` unset, ``setup_engine`` launches one over the run's model, pinned to
+  ``engine.cpu_affinity``, so generation and training run in different processes on different
+  cores; the engine's ``close()`` stops it.
 
-Importing this package does not import torch.
+Start a stand-in by hand and point a run at it::
+
+    miles engine-serve --model-dir MODEL_DIR --port 30000 --cpu-affinity 1 --num-threads 1
+    # ready on http://127.0.0.1:30000
+    # run config: [engine] type = "sglang", url = "http://127.0.0.1:30000"
+
+Importing this package imports neither torch nor an HTTP library: ``hf``, ``sglang`` and ``server``
+are imported on first use.
 """
 
 from __future__ import annotations
@@ -11,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from miles_core.config import HFEngineConfig
+from miles_core.config import HFEngineConfig, SGLangEngineConfig
 from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
 __all__ = ["GenerateRequest", "GenerateResult", "RolloutEngine", "SamplingParams", "setup_engine"]
@@ -23,11 +37,24 @@ def _build_hf(cfg: HFEngineConfig, model_dir: str, dtype: str, seed: int, storag
     return HFEngine(str(model_dir), cfg, dtype=dtype, seed=seed, storage_options=storage_options)
 
 
-_BUILDERS: dict[type, Callable[..., RolloutEngine]] = {HFEngineConfig: _build_hf}
+def _build_sglang(cfg: SGLangEngineConfig, model_dir: str, dtype: str, seed: int, storage_options) -> RolloutEngine:
+    """A client of ``cfg.url``; without one, of a stand-in server launched over ``model_dir``
+    (which the engine owns: its ``close()`` stops the server)."""
+    from miles_core.engines.sglang import SGLangEngine
+
+    if cfg.url is not None:
+        return SGLangEngine(cfg.url, cfg)
+    from miles_core.engines.server import LocalEngineServer
+
+    server = LocalEngineServer(str(model_dir), cfg, dtype=dtype, seed=seed, storage_options=storage_options).start()
+    return SGLangEngine(server.url, cfg, server=server)
+
+
+_BUILDERS: dict[type, Callable[..., RolloutEngine]] = {HFEngineConfig: _build_hf, SGLangEngineConfig: _build_sglang}
 
 
 def setup_engine(
-    cfg: HFEngineConfig,
+    cfg: HFEngineConfig | SGLangEngineConfig,
     model_dir: str,
     dtype: str = "float32",
     seed: int = 0,
@@ -36,7 +63,9 @@ def setup_engine(
     """The rollout engine of ``cfg`` (one of ``EngineConfig``'s variants) serving ``model_dir``.
 
     ``dtype`` is the parameter dtype (``ModelConfig.dtype``); ``seed`` seeds requests without a seed;
-    ``storage_options`` are the fsspec options of the store that weight URIs point into."""
+    ``storage_options`` are the fsspec options of the store that weight URIs point into. An
+    ``SGLangEngineConfig`` with a ``url`` uses that server as it is (its model, dtype, seed and
+    storage access are the server's own)."""
     builder = _BUILDERS.get(type(cfg))
     if builder is None:
         known = ", ".join(t.__name__ for t in _BUILDERS)

@@ -24,9 +24,25 @@ PROMPTS = ["1+2=", "37+45=", "a", "The sum of 12 and 30 is "]
 class EngineContract:
     logprob_atol = 1e-4
     """How close engine logprobs must be to a float32 forward recompute."""
+    call_arrival_s = 0.0
+    """Capability: how long a ``generate`` call, once its task runs, may take to reach the engine.
+    0 in process (the call is queued before its task first waits). Over HTTP each call is a request
+    that travels to the server first, so calls started together arrive one by one, and an engine
+    that batches only the calls it holds when a batch starts (the CPU stand-in server) may batch
+    them apart. Tests that act on calls they have just started wait this long, and tests whose calls
+    must share a batch start them while the engine is paused (``start_together``)."""
 
     def make_engine(self, model_dir: str, seed: int = 0) -> RolloutEngine:
         raise NotImplementedError
+
+    async def start_together(self, engine, calls) -> list[asyncio.Task]:
+        """Start the ``calls`` (coroutines) as tasks that reach the engine before any of them runs,
+        so they share a batch: pause, start them, wait ``call_arrival_s``, resume."""
+        await engine.pause()
+        tasks = [asyncio.create_task(c) for c in calls]
+        await asyncio.sleep(self.call_arrival_s)
+        await engine.resume()
+        return tasks
 
     # ------------------------------------------------------------------------------ fixtures
 
@@ -272,7 +288,7 @@ class EngineContract:
         async def body():
             await engine.pause()
             task = asyncio.create_task(engine.generate(requests(tok, greedy_params())))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(max(0.05, self.call_arrival_s))
             await engine.abort()
             results = await asyncio.wait_for(task, 10)
             await engine.resume()
@@ -306,8 +322,10 @@ class EngineContract:
     def test_a_short_call_returns_before_the_long_call_it_runs_with(self, engine, reference, tok):
         async def body():
             # the long call comes first: an engine that ran calls one at a time would make the short one wait
-            long = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=2000))))
-            short = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=3))))
+            long, short = await self.start_together(engine, [
+                engine.generate(requests(tok, greedy_params(max_new_tokens=2000))),
+                engine.generate(requests(tok, greedy_params(max_new_tokens=3))),
+            ])
             done, _ = await asyncio.wait([long, short], timeout=60, return_when=asyncio.FIRST_COMPLETED)
             long_done_then = long.done()
             await engine.abort()
@@ -325,10 +343,10 @@ class EngineContract:
 
         async def body():
             calls = [engine.generate(requests(tok, long, PROMPTS[i : i + 1])) for i in range(3)]
-            tasks = [asyncio.create_task(c) for c in calls + [engine.generate(requests(tok, long, PROMPTS[3:] * 2))]]
+            tasks = await self.start_together(engine, calls + [engine.generate(requests(tok, long, PROMPTS[3:] * 2))])
             await asyncio.sleep(0.1)
             late = asyncio.create_task(engine.generate(requests(tok, long)))  # arrives while the others run
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(max(0.01, self.call_arrival_s))
             await engine.abort()
             results = await asyncio.wait_for(asyncio.gather(*tasks, late), 10)
             after = await engine.generate(requests(tok, greedy_params(max_new_tokens=3)))

@@ -1,0 +1,185 @@
+"""SGLangEngine over real HTTP against the CPU stand-in server (``LocalEngineServer`` over an
+``HFEngine`` in its own process): the engine contract, plus what is particular to the server and
+to the engine ``setup_engine`` launches.
+
+The contract tests share one server (a start costs ~3 s of imports and model loading); each test
+gets a fresh client, and the server is put back as it was afterwards (aborted, resumed, version 0
+with the original weights). The test that needs fresh engine seeds starts its own servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import pytest
+from contract.engine_contract import PROMPTS, EngineContract, greedy_params, requests
+
+from miles_core.config import SGLangEngineConfig
+from miles_core.engines import setup_engine
+from miles_core.engines.base import GenerateRequest, SamplingParams
+from miles_core.engines.server import LocalEngineServer
+from miles_core.engines.sglang import EngineHTTPError, SGLangEngine
+
+pytestmark = pytest.mark.integration
+
+SERVER_CFG = SGLangEngineConfig(max_batch_size=64, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with LocalEngineServer(str(tiny_model_dir), SERVER_CFG) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def client(server) -> SGLangEngine:
+    return SGLangEngine(server.url, SGLangEngineConfig(url=server.url, request_timeout_s=60))
+
+
+async def restore(server, model_dir) -> None:
+    """Put the shared server back as a fresh one: nothing running or paused, original weights, v0."""
+    eng = client(server)
+    await eng.abort()
+    await eng.resume()
+    version = httpx.get(f"{server.url}/get_weight_version", timeout=10).json()["weight_version"]
+    if version != "0":
+        await eng.update_weights(os.path.join(model_dir, "model.safetensors"), 0)
+    await eng.close()
+
+
+class TestSGLangEngineContract(EngineContract):
+    call_arrival_s = 0.2
+
+    @pytest.fixture
+    def engine(self, server, tiny_model_dir):
+        eng = client(server)
+        yield eng
+        asyncio.run(eng.close())
+        asyncio.run(restore(server, str(tiny_model_dir)))
+
+    def make_engine(self, model_dir: str, seed: int = 0):
+        """A fresh server (the seed of unseeded requests is the server's), owned by the engine."""
+        server = LocalEngineServer(model_dir, SERVER_CFG, seed=seed).start()
+        return SGLangEngine(server.url, SERVER_CFG, server=server)
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=30)
+
+
+def test_generate_json_shapes_single_and_batch(server, tok):
+    single = post(server, "/generate", {"input_ids": tok.encode("1+2="), "return_logprob": True,
+                                        "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert single.status_code == 200
+    out = single.json()  # a single prompt answers one object, not a list
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3} and meta["weight_version"] == "0"
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 3
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert out["text"] == tok.decode(out["output_ids"])
+    batch = post(server, "/generate", {"input_ids": [tok.encode("a"), tok.encode("bc")], "rid": "q",
+                                       "sampling_params": {"max_new_tokens": 2}}).json()
+    assert [b["meta_info"]["id"] for b in batch] == ["q_0", "q_1"]  # one rid string is a prefix
+    assert all("output_token_logprobs" not in b["meta_info"] for b in batch)  # not asked for
+
+
+def test_stop_matches_and_sglang_trims_them_unless_asked_not_to(server, tok):
+    base = {"input_ids": tok.encode(PROMPTS[0]), "sampling_params": {"max_new_tokens": 10, "sampling_seed": 11}}
+    full = post(server, "/generate", base).json()
+    stop_id = full["output_ids"][2]
+    cut = full["output_ids"].index(stop_id) + 1
+    stop_params = {**base["sampling_params"], "stop_token_ids": [stop_id]}
+    by_token = post(server, "/generate", {**base, "sampling_params": stop_params}).json()
+    assert by_token["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert by_token["output_ids"] == full["output_ids"][:cut]
+    assert by_token["text"] == tok.decode(full["output_ids"][: cut - 1])  # the stop token is trimmed from the text
+    stop = full["text"][3:5]
+    for no_trim in (False, True):
+        params = {**base["sampling_params"], "stop": [stop], "no_stop_trim": no_trim}
+        r = post(server, "/generate", {**base, "sampling_params": params}).json()
+        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert r["text"].endswith(stop) == no_trim and stop not in r["text"][:-len(stop)]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text": "1+2="}, "text='1+2=' is not supported"),
+    ({"input_ids": [5], "stream": True}, "stream=True is not supported"),
+    ({"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty=0.5 is not supported"),
+    ({"input_ids": [5], "sampling_params": {"max_tokens": 5}}, "unsupported sampling params: max_tokens"),
+    ({"input_ids": [5], "return_logprob": True, "logprob_start_len": 0}, "prompt logprobs are not supported"),
+    ({"input_ids": [5], "sampling_params": {"top_p": 0}}, "top_p=0.0 must be in"),  # the engine's own check
+    ({"input_ids": [5], "lora_path": "math"}, "adapter 'math'"),
+])
+def test_the_server_refuses_what_it_does_not_do_with_400(server, body, message):
+    r = post(server, "/generate", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_client_errors_name_the_url_and_status(server):
+    eng = client(server)
+    with pytest.raises(EngineHTTPError, match=rf"{server.url}/generate answered HTTP 400: .*top_k=0"):
+        asyncio.run(eng.generate([GenerateRequest([5], SamplingParams(top_k=0))]))
+    with pytest.raises(EngineHTTPError, match=r"load_lora_adapter answered HTTP 400: .*training-backends issue"):
+        asyncio.run(eng.load_adapter("a", "/nowhere"))
+    asyncio.run(eng.close())
+
+
+def test_a_disconnected_client_leaves_the_running_batch(server, tok):
+    # the call would run for minutes; the short one after it is dispatched only once the batch ends
+    async def body():
+        eng = client(server)
+        long = asyncio.create_task(eng.generate(requests(tok, greedy_params(max_new_tokens=10**5))))
+        await asyncio.sleep(0.5)
+        long.cancel()
+        t0 = time.monotonic()
+        short = await eng.generate(requests(tok, greedy_params(max_new_tokens=3)))
+        await eng.close()
+        return long.cancelled(), time.monotonic() - t0, short
+
+    cancelled, seconds, short = asyncio.run(body())
+    assert cancelled and seconds < 10
+    assert all(r.finish_reason == "length" for r in short)
+
+
+# --------------------------------------------------------------- the engine setup_engine launches
+
+
+def test_setup_engine_launches_a_pinned_server_and_close_stops_it(tiny_model_dir, tok):
+    core = max(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    cfg = SGLangEngineConfig(cpu_affinity=[core], max_batch_size=8)
+    engine = setup_engine(cfg, str(tiny_model_dir), "float32", seed=0)
+    proc = engine.server.proc
+    try:
+        assert os.sched_getaffinity(proc.pid) == {core} and os.sched_getaffinity(0) == mine
+        results = asyncio.run(engine.generate(requests(tok, greedy_params(max_new_tokens=4))))
+        assert all(len(r.output_ids) == 4 for r in results)
+        assert asyncio.run(engine.health()) is True
+    finally:
+        asyncio.run(engine.close())
+    assert proc.poll() is not None  # the server process has ended
+    assert asyncio.run(engine.health()) is False
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    cfg = SGLangEngineConfig(startup_timeout_s=60)
+    with pytest.raises(RuntimeError, match=r"exited with code 1:(.|\n)*" + str(tmp_path / "empty")):
+        LocalEngineServer(str(tmp_path / "empty"), cfg).start()
+
+
+def test_storage_options_reach_the_server_through_its_environment(tiny_model_dir):
+    server = LocalEngineServer(str(tiny_model_dir), SERVER_CFG, storage_options={"key": "secret"})
+    assert "secret" not in json.dumps(server.command())  # never on the command line

@@ -1,0 +1,196 @@
+"""SGLangEngine's JSON mapping against a fake transport: the request it sends, and replies the CPU
+stand-in server never gives (HTTP 500, SGLang's abort shape); no server at all. The contract over
+real HTTP is in tests/integration/test_engine_sglang_http.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_core.config import RunConfig, SGLangEngineConfig
+from miles_core.engines.base import GenerateRequest, SamplingParams
+from miles_core.engines.sglang import EngineHTTPError, EngineUnreachable, SGLangEngine, parse_weight_version
+
+URL = "http://engine.test:30000"
+
+
+class FakeTransport:
+    """Answers each request with ``handler(method, url, body) -> (status, JSON value or bytes)``."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+        self.seen: list[tuple[str, str, dict | None]] = []
+
+    async def request(self, method, url, body, timeout):
+        self.seen.append((method, url, body))
+        status, reply = self.handler(method, url, body)
+        return status, reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+
+    async def close(self):
+        pass
+
+
+_made: list[SGLangEngine] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    yield
+    while _made:
+        asyncio.run(_made.pop().close())
+
+
+def fake_engine(handler) -> tuple[SGLangEngine, list[tuple[str, str, dict | None]]]:
+    """An engine whose requests go to ``handler``; also the requests it sent (method, URL, body)."""
+    transport = FakeTransport(handler)
+    _made.append(SGLangEngine(URL + "/", SGLangEngineConfig(url=URL), transport=transport))
+    return _made[-1], transport.seen
+
+
+def replying(status, reply):
+    return lambda method, url, body: (status, reply)
+
+
+def item(ids, logprobs, finish, version="3", text="xy"):
+    return {"text": text, "output_ids": ids, "meta_info": {
+        "id": "wire", "finish_reason": finish, "weight_version": version,
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)]}}
+
+
+def test_generate_sends_one_batch_request_and_maps_the_results():
+    reply = [item([5, 6], [-0.5, -1.5], {"type": "stop", "matched": 6}),
+             item([7], [-0.25], {"type": "length", "length": 1}, version="default")]
+    engine, seen = fake_engine(replying(200, reply))
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, stop=("\n",), stop_token_ids=(6,),
+                            seed=42)
+    reqs = [GenerateRequest([1, 2], params, rid="a"), GenerateRequest([3], SamplingParams(max_new_tokens=1), rid="a")]
+    results = asyncio.run(engine.generate(reqs))
+
+    ((method, url, body),) = seen
+    assert (method, url) == ("POST", URL + "/generate")
+    assert body["input_ids"] == [[1, 2], [3]]
+    assert body["sampling_params"][0] == {
+        "max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "stop": ["\n"], "stop_token_ids": [6],
+        "sampling_seed": 42, "no_stop_trim": True, "skip_special_tokens": True}
+    assert "sampling_seed" not in body["sampling_params"][1] and "stop" not in body["sampling_params"][1]
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and body["stream"] is False
+    assert "lora_path" not in body  # no adapter asked for
+    # the caller's rids repeat; the wire rids are unique (SGLang refuses duplicate in-flight ids)
+    assert len(set(body["rid"])) == 2 and all(r.startswith("a-") for r in body["rid"])
+
+    assert [r.rid for r in results] == ["a", "a"]
+    assert [r.output_ids for r in results] == [[5, 6], [7]]
+    assert [r.logprobs for r in results] == [[-0.5, -1.5], [-0.25]]
+    assert [r.finish_reason for r in results] == ["stop", "length"]
+    assert [r.weight_version for r in results] == [3, 0]  # "default": the server's own weights
+
+
+def test_adapters_travel_as_lora_path_per_request():
+    engine, seen = fake_engine(replying(200, [item([1], [-1.0], {"type": "length"})] * 2))
+    asyncio.run(engine.generate([GenerateRequest([1], adapter="math"), GenerateRequest([2])]))
+    assert seen[0][2]["lora_path"] == ["math", None]
+
+
+def test_abort_finish_reason_in_sglang_shape():
+    # what SGLang sends for a request aborted in its waiting queue: no tokens, extra keys
+    abort = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+    reply = [{"text": "", "output_ids": [], "meta_info": {
+        "id": "w", "finish_reason": abort, "weight_version": "default", "output_token_logprobs": []}}]
+    engine, _ = fake_engine(replying(200, reply))
+    (r,) = asyncio.run(engine.generate([GenerateRequest([1], rid="x")]))
+    assert (r.finish_reason, r.output_ids, r.logprobs, r.rid) == ("abort", [], [], "x")
+
+
+def test_http_500_raises_naming_the_url_status_and_message():
+    engine, _ = fake_engine(replying(500, {"error": {"message": "CUDA out of memory"}}))
+    with pytest.raises(EngineHTTPError, match=rf"{URL}/generate answered HTTP 500: CUDA out of memory"):
+        asyncio.run(engine.generate([GenerateRequest([1])]))
+    engine, _ = fake_engine(replying(422, {"detail": [{"loc": ["body", "rid"], "msg": "bad"}]}))  # FastAPI's shape
+    with pytest.raises(EngineHTTPError, match="HTTP 422: .*'msg': 'bad'"):
+        asyncio.run(engine.generate([GenerateRequest([1])]))
+    engine, _ = fake_engine(replying(503, b"upstream unavailable"))
+    with pytest.raises(EngineHTTPError, match="HTTP 503: upstream unavailable") as err:
+        asyncio.run(engine.abort())
+    assert err.value.status == 503
+
+
+def test_failed_weight_update_raises_and_keeps_the_version():
+    replies = iter([
+        (400, {"success": False, "message": "no weights at s3://b/v2", "num_paused_requests": 0}),
+        (200, {"success": True, "message": "ok", "num_paused_requests": 0}),
+    ])
+    engine, seen = fake_engine(lambda method, url, body: next(replies))
+    with pytest.raises(EngineHTTPError, match="update_weights_from_disk answered HTTP 400: no weights at s3://b/v2"):
+        asyncio.run(engine.update_weights("s3://b/v2", 2))
+    assert engine.weight_version == 0
+    asyncio.run(engine.update_weights("s3://b/v2", 2))
+    assert engine.weight_version == 2
+    assert seen[1][2] == {
+        "model_path": "s3://b/v2", "weight_version": "2", "flush_cache": True, "abort_all_requests": False}
+
+
+def test_unreachable_server_is_named():
+    # the real transport, to a port nobody listens on
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    engine = SGLangEngine(url, SGLangEngineConfig(url=url))
+    with pytest.raises(EngineUnreachable, match=rf"{url}/generate: cannot reach the engine server"):
+        asyncio.run(engine.generate([GenerateRequest([1])]))
+    assert asyncio.run(engine.health()) is False
+    asyncio.run(engine.close())
+    with pytest.raises(RuntimeError, match="is closed"):
+        asyncio.run(engine.abort())
+
+
+def test_malformed_result_raises_naming_the_request():
+    engine, _ = fake_engine(replying(200, [{"text": "", "meta_info": {"finish_reason": None}}]))
+    with pytest.raises(EngineHTTPError, match="unexpected result for request 'q'"):
+        asyncio.run(engine.generate([GenerateRequest([1], rid="q")]))
+    engine, _ = fake_engine(replying(200, []))
+    with pytest.raises(EngineHTTPError, match="expected 1 results, got 0 results"):
+        asyncio.run(engine.generate([GenerateRequest([1])]))
+
+
+def test_control_endpoints_and_their_bodies():
+    engine, seen = fake_engine(replying(200, {"status": "ok"}))
+    asyncio.run(engine.pause())
+    asyncio.run(engine.resume())
+    asyncio.run(engine.abort())
+    assert asyncio.run(engine.health()) is True
+    assert [(method, url.removeprefix(URL)) for method, url, _ in seen] == [
+        ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/abort_request"), ("GET", "/health")]
+    assert [body for _, _, body in seen[:3]] == [{"mode": "in_place"}, {}, {"abort_all": True}]
+
+
+def test_weight_version_strings():
+    assert [parse_weight_version(v) for v in (None, "default", "0", "12", 4)] == [0, 0, 0, 12, 4]
+    with pytest.raises(ValueError, match="'step-3' is not an integer version"):
+        parse_weight_version("step-3")
+
+
+def test_config_variants():
+    cfg = RunConfig.model_validate({"engine": {"type": "sglang", "url": "http://h:30000"}})
+    assert isinstance(cfg.engine, SGLangEngineConfig) and cfg.engine.url == "http://h:30000"
+    assert RunConfig.model_validate(cfg.model_dump()).engine == cfg.engine  # a dumped config reloads
+    launched = SGLangEngineConfig(cpu_affinity=[1], num_threads=1)
+    assert launched.url is None and launched.launch == "hf-server"
+    with pytest.raises(ValueError, match="cpu_affinity would be ignored"):
+        SGLangEngineConfig(url="http://h:30000", cpu_affinity=[1])
+    with pytest.raises(ValueError, match="must start with http"):
+        SGLangEngineConfig(url="h:30000")
+
+
+def test_client_and_server_modules_import_without_torch():
+    code = (
+        "import sys, miles_core.engines.sglang, miles_core.engines.server\n"
+        "heavy = [m for m in ('torch', 'transformers', 'starlette', 'uvicorn', 'aiohttp') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
