@@ -20,20 +20,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 SERVE = """
-import sys
 from flows.train import train
 train.serve(name="cancel-test", print_starting_message=False)
 """
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield PREFECT_API_URL.value()
 
 
 def _wait(predicate, timeout: float, what: str, poll: float = 0.5):
@@ -46,7 +35,7 @@ def _wait(predicate, timeout: float, what: str, poll: float = 0.5):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def test_cancelling_a_fully_async_deployment_run(prefect_api, tiny_model_dir, tmp_path):
+def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
@@ -65,7 +54,7 @@ def test_cancelling_a_fully_async_deployment_run(prefect_api, tiny_model_dir, tm
         "async_rollout": {"segment_max_groups": 2},
         "storage": {"root": str(tmp_path / "runs")},
     })
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    env = {**os.environ, "PREFECT_API_URL": prefect_backend, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     server = subprocess.Popen([sys.executable, "-c", SERVE], env=env, cwd=Path(__file__).resolve().parents[2],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,16 +15,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def prefect_backend():
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield
-
-
-@pytest.fixture(scope="module")
 def demo_model() -> str:
     from miles_core.config import ModelConfig
     from miles_core.models.tiny import ensure_model

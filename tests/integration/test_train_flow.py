@@ -10,16 +10,6 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="session")
-def prefect_backend():
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield
-
-
 def _tiny_run(tmp_path: Path, model_dir: Path, **overrides):
     from miles_core.config import RunConfig
 
