@@ -251,6 +251,9 @@ class SGLangEngineConfig(_Base):
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for one HTTP request to the server (a ``generate`` call returns when its
     longest response is done)."""
+    coalesce_window_s: float = Field(default=0.005, ge=0)
+    """Concurrent ``generate`` calls made within this many seconds travel as one ``/generate``
+    batch (a fully-async producer makes one call per sample or group); 0: one request per call."""
 
     @model_validator(mode="after")
     def _check_url(self) -> SGLangEngineConfig:

@@ -1,9 +1,14 @@
 """``SGLangEngine``: the ``RolloutEngine`` as a client of SGLang's HTTP API.
 
 Parts:
-- ``SGLangEngine``: one ``POST /generate`` per ``generate`` call (a batch of ``input_ids``; the
-  server batches continuously across calls), ``/update_weights_from_disk``, ``/load_lora_adapter``,
-  ``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/health``.
+- ``SGLangEngine``: ``POST /generate`` with a batch of ``input_ids`` (the server batches
+  continuously across requests), ``/update_weights_from_disk``, ``/load_lora_adapter``,
+  ``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/health``. Calls made
+  within ``coalesce_window_s`` of each other share one ``/generate`` request: a fully-async
+  producer makes one call per sample, and one HTTP request each costs more client CPU (on the
+  trainer's machine) than the batch. A cancelled call's requests then run to their end on the
+  server (the other calls of the batch are unaffected); with a window of 0, each call is its own
+  request and cancelling it disconnects it.
 - ``request_body`` / ``parse_result``: the JSON mapping of one call, both ways (pure functions).
 - ``Transport`` / ``AiohttpTransport``: how requests travel (tests put a fake one in).
 - ``EngineHTTPError``: the server answered with an error status; ``EngineUnreachable``: no answer.
@@ -129,6 +134,8 @@ class SGLangEngine:
         self._io: LoopThread | None = None
         self._io_lock = threading.Lock()
         self._closed = False
+        self._queued: list[tuple[list[GenerateRequest], asyncio.Future]] = []
+        """Calls waiting for the coalescing window to close (on the callers' loop)."""
 
     # ------------------------------------------------------------------------------ protocol
 
@@ -137,10 +144,39 @@ class SGLangEngine:
         return self._version
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """One ``/generate`` request for all ``requests``; results in request order."""
+        """Results for ``requests`` in request order, from one ``/generate`` request shared with
+        the other calls made within ``coalesce_window_s``."""
         requests = list(requests)
         if not requests:
             return []
+        if self.cfg.coalesce_window_s <= 0:
+            return await self._generate_now(requests)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._queued.append((requests, waiter))
+        if len(self._queued) == 1:  # the first call of a window sends the batch when it closes
+            loop.call_later(self.cfg.coalesce_window_s, lambda: asyncio.ensure_future(self._send_queued()))
+        return await waiter
+
+    async def _send_queued(self) -> None:
+        batch, self._queued = self._queued, []
+        live = [(reqs, waiter) for reqs, waiter in batch if not waiter.done()]  # cancelled callers drop out
+        if not live:
+            return
+        try:
+            results = await self._generate_now([r for reqs, _ in live for r in reqs])
+        except BaseException as e:  # noqa: BLE001 (every caller of the batch gets the error)
+            for _, waiter in live:
+                if not waiter.done():
+                    waiter.set_exception(e)
+            return
+        start = 0
+        for reqs, waiter in live:
+            if not waiter.done():
+                waiter.set_result(results[start : start + len(reqs)])
+            start += len(reqs)
+
+    async def _generate_now(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         body = request_body(requests)
         items = await self._post("/generate", body, timeout=self.cfg.request_timeout_s)
         if not isinstance(items, list) or len(items) != len(requests):

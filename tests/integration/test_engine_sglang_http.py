@@ -26,7 +26,7 @@ from miles_core.engines.sglang import EngineHTTPError, SGLangEngine
 
 pytestmark = pytest.mark.integration
 
-SERVER_CFG = SGLangEngineConfig(max_batch_size=64, num_threads=1)
+SERVER_CFG = SGLangEngineConfig(max_batch_size=64, num_threads=1, coalesce_window_s=0)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,11 @@ def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def client(server) -> SGLangEngine:
-    return SGLangEngine(server.url, SGLangEngineConfig(url=server.url, request_timeout_s=60))
+def client(server, coalesce_window_s: float = 0.0) -> SGLangEngine:
+    """A client where each call is its own HTTP request (the contract's per-call semantics) unless
+    ``coalesce_window_s`` is set."""
+    cfg = SGLangEngineConfig(url=server.url, request_timeout_s=60, coalesce_window_s=coalesce_window_s)
+    return SGLangEngine(server.url, cfg)
 
 
 async def restore(server, model_dir) -> None:
@@ -152,6 +155,30 @@ def test_a_disconnected_client_leaves_the_running_batch(server, tok):
     cancelled, seconds, short = asyncio.run(body())
     assert cancelled and seconds < 10
     assert all(r.finish_reason == "length" for r in short)
+
+
+def test_calls_within_the_coalescing_window_share_one_request(server, tok):
+    async def body():
+        eng = client(server, coalesce_window_s=0.05)
+        seen = []
+        transport = eng._transport
+        real = transport.request
+
+        async def counting(method, url, payload, timeout):
+            if url.endswith("/generate"):
+                seen.append(len(payload["input_ids"]))
+            return await real(method, url, payload, timeout)
+
+        transport.request = counting
+        calls = [eng.generate(requests(tok, greedy_params(max_new_tokens=3))[:1]) for _ in range(5)]
+        together = await asyncio.gather(*calls)
+        alone = await client(server).generate(requests(tok, greedy_params(max_new_tokens=3))[:1])
+        await eng.close()
+        return seen, together, alone
+
+    seen, together, alone = asyncio.run(body())
+    assert seen == [5], "five calls in one window travel as one batch of five"
+    assert all(len(r) == 1 and r[0].output_ids == alone[0].output_ids for r in together)
 
 
 # --------------------------------------------------------------- the engine setup_engine launches
