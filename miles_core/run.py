@@ -485,7 +485,8 @@ class RunSession:
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
             kwargs = {"warn": warn} if warn is not None else {}
-            self._feed = GroupFeed(self.stream, buffer, a, producer_check=self._check_producer, **kwargs)
+            self._feed = GroupFeed(self.stream, buffer, a, producer_check=self._check_producer, read_ahead=True,
+                                   **kwargs)
             self._producer_seen = (time.monotonic(), 0, 0.0)
         return self._feed
 
@@ -532,6 +533,8 @@ class RunSession:
         self.layout.write_json("summary.json", summary)
 
     def close(self) -> None:
+        if "_feed" in self.__dict__:
+            self._feed.close()
         if "engine" in self.__dict__:
             self._loop.run(self.engine.close())
             self._loop.close()

@@ -5,7 +5,8 @@
 and counted, or (``unused_samples_handler = "retry"``) appended to the ``recycle`` stream, whose
 prompts the producer generates again. While it waits it logs a warning every ``no_progress_s``
 seconds, and it calls ``producer_check`` on every poll, which raises the producer's own exception
-if the producer died. ``commit()`` (after the train step) marks the batch's groups used. The
+if the producer died. ``commit()`` (after the train step) marks the batch's groups used. With ``read_ahead``, a
+background thread reads and decodes new segments while the trainer trains. The
 durable cursor moves only past segments whose every group was used (trained or rejected), so a
 restarted trainer sees again what it had not finished with; the producer's back-pressure counts
 from the same cursor.
@@ -14,7 +15,9 @@ from the same cursor.
 from __future__ import annotations
 
 import logging
+import queue
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +58,7 @@ class GroupFeed:
         producer_check: Callable[[], None] = lambda: None,
         poll_s: float = 0.02,
         warn: Callable[[str], None] = log.warning,
+        read_ahead: bool = False,
     ) -> None:
         self.stream = stream
         self.reader = stream.reader(reader)
@@ -67,6 +71,12 @@ class GroupFeed:
         self._segment_of: dict[int, int] = {}  # group index -> segment offset
         self._recycle = stream.sibling(RECYCLE_PRODUCER) if cfg.unused_samples_handler == "retry" else None
         self._handed_out: list[Group] = []
+        self._decoded: queue.Queue | None = None  # read-ahead: (offset, groups) or the reader's error
+        self._ahead_lock = threading.Lock()
+        self._closed = False
+        if read_ahead:
+            self._decoded = queue.Queue()
+            threading.Thread(target=self._read_ahead, name=f"feed-{reader}", daemon=True).start()
         self.totals = {"stale": 0, "aborted": 0, "dropped": 0, "recycled": 0}
 
     def next_batch(self, n: int, trainer_version: int, stop: Callable[[], bool] = lambda: False) -> FeedBatch:
@@ -85,7 +95,7 @@ class GroupFeed:
             if self._read_more():
                 continue
             self.producer_check()
-            if self.reader.finished and len(self.buffer) == 0:
+            if self._ended():
                 raise ProducerEnded(
                     f"the rollout producer closed {self.stream.uri} after offset {self.reader.position}; "
                     f"the trainer still needs {n - len(groups)} of {n} groups for this step"
@@ -108,15 +118,45 @@ class GroupFeed:
         self._use(self._handed_out)
         self._handed_out = []
 
+    def close(self) -> None:
+        """Stop the read-ahead thread (if any)."""
+        self._closed = True
+
     def _read_more(self) -> bool:
-        segments = self.reader.read()
-        for segment in segments:
-            groups = regroup(segment.samples())
-            self._unused[segment.offset] = len(groups)
+        """Move newly written segments into the buffer; True if there were any."""
+        if self._decoded is None:
+            decoded = [(s.offset, regroup(s.samples())) for s in self.reader.read()]
+        else:
+            decoded = []
+            while not self._decoded.empty():
+                item = self._decoded.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                decoded.append(item)
+        for offset, groups in decoded:
+            self._unused[offset] = len(groups)
             for g in groups:
-                self._segment_of[g.group_index] = segment.offset
+                self._segment_of[g.group_index] = offset
             self.buffer.put(groups)
-        return bool(segments)
+        return bool(decoded)
+
+    def _read_ahead(self) -> None:
+        """Background reading and decoding, so that a batch is ready when the trainer asks for it."""
+        while not self._closed:
+            try:
+                with self._ahead_lock:
+                    for segment in self.reader.read():
+                        self._decoded.put((segment.offset, regroup(segment.samples())))
+            except BaseException as e:  # noqa: BLE001 (the trainer's thread raises it)
+                self._decoded.put(e)
+                return
+            time.sleep(self.poll_s)
+
+    def _ended(self) -> bool:
+        """The stream is closed and every group of it has been handed out or rejected."""
+        with self._ahead_lock:
+            decoded_all = self.reader.finished and (self._decoded is None or self._decoded.empty())
+        return decoded_all and len(self.buffer) == 0
 
     def _reject(self, rejected: list[Rejected]) -> None:
         """Recycle or drop rejected groups now (so the producer's back-pressure sees them used)."""

@@ -10,7 +10,8 @@ Parts:
 One loop iteration: look for a newer weight version (and load it), wait while paused or while the
 run is ``capacity`` groups ahead of the trainer (back-pressure, measured from the trainer's durable
 cursor), take slots, start the next sample or group, and write finished groups to the stream
-once ``segment_max_groups`` are ready or the oldest has waited ``segment_max_wait_s``.
+once ``segment_max_groups`` are ready, the oldest has waited ``segment_max_wait_s``, or the
+producer is at its bound (the trainer may be waiting for exactly those groups).
 
 Every sample records ``submit_version`` (the engine's version when it was submitted) and the
 version of each generated span. A weight update lets in-flight requests finish under the old
@@ -303,8 +304,10 @@ class RolloutProducer:
                 if not self._gate.is_set():
                     await self._idle(self.acfg.weight_poll_s)
                     continue
-                if self._outstanding() >= self.capacity and not await self._wait_for_consumer():
-                    continue
+                if self._outstanding() >= self.capacity:
+                    await self._flush(force=True)  # at the bound: nothing more comes until the trainer moves
+                    if not await self._wait_for_consumer():
+                        continue
                 await self._start_next()
             await self._settle_on_stop()
             await self._flush(force=True)

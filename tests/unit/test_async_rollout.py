@@ -93,6 +93,7 @@ class Harness:
         self.sampling = SamplingParams(max_new_tokens=max_new_tokens, seed=7)
         self.producer = self.new_producer()
         self.future: concurrent.futures.Future | None = None
+        self.feeds: list[GroupFeed] = []
 
     def new_producer(self) -> RolloutProducer:
         return RolloutProducer(self.cfg, self.engine, self.prompts, score, self.stream, self.layout, self.weights,
@@ -106,9 +107,11 @@ class Harness:
         if self.future is not None and self.future.done() and self.future.exception() is not None:
             raise self.future.exception()
 
-    def feed(self, first_version: int = 0) -> GroupFeed:
+    def feed(self, first_version: int = 0, read_ahead: bool = False) -> GroupFeed:
         buffer = DefaultDataBuffer(self.cfg.async_rollout, capacity=64, first_version=first_version)
-        return GroupFeed(self.stream, buffer, self.cfg.async_rollout, producer_check=self.check)
+        feed = GroupFeed(self.stream, buffer, self.cfg.async_rollout, producer_check=self.check, read_ahead=read_ahead)
+        self.feeds.append(feed)
+        return feed
 
     def stop(self, timeout: float = 20):
         self.producer.request_stop()
@@ -127,6 +130,8 @@ class Harness:
             time.sleep(0.01)
 
     def close(self) -> None:
+        for feed in self.feeds:
+            feed.close()
         if self.future is not None and not self.future.done():
             self.producer.request_stop()
             try:
@@ -182,9 +187,10 @@ def test_commit_moves_the_cursor_past_fully_used_segments(harness):
     assert h.stream.reader("trainer").cursor == whole[-1]
 
 
-def test_second_batch_continues_without_repeats(harness):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_second_batch_continues_without_repeats(harness, read_ahead):
     h = harness().start()
-    feed = h.feed()
+    feed = h.feed(read_ahead=read_ahead)
     first = feed.next_batch(4, 0)
     feed.commit()
     second = feed.next_batch(4, 0)
@@ -397,11 +403,12 @@ def test_trainer_warns_while_it_waits(harness):
     h.stop()
 
 
-def test_closed_stream_ends_the_trainer_clearly(harness):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_closed_stream_ends_the_trainer_clearly(harness, read_ahead):
     h = harness().start()
     h.stop()
     h.stream.close()
-    feed = h.feed()
+    feed = h.feed(read_ahead=read_ahead)
     with pytest.raises(ProducerEnded, match="still needs"):
         for _ in range(50):
             feed.next_batch(4, 0)

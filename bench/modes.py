@@ -1,0 +1,219 @@
+"""Benchmark: sync, async and fully-async runs of the same workload, side by side, in one invocation.
+
+Run: ``.venv/bin/python bench/modes.py [--steps 24 --batch 128 --eval-every 2 --seeds 0 1 --engine server]``
+
+Workload: GRPO on the toy addition task with the built-in warm-started tiny model, ``--batch``
+prompts x 8 samples per step, held-out evaluation (256 prompts, greedy) every ``--eval-every``
+steps. Generation and training really run in parallel on this 2-core machine: with ``--engine
+server`` (the default) the rollout engine is its own process speaking SGLang's HTTP protocol
+(transformers behind it), pinned to core 1, and the trainer runs in this process, pinned to core 0,
+each with one torch thread. ``--engine inprocess`` keeps the engine in this process instead (both
+sides then share the cores and Python's lock).
+
+Per mode it prints: median step wall time next to the median rollout time, train time, their sum
+and their max (steps after the first two), the trainer's idle fraction, and the time to reach
+each of ``--targets`` held-out accuracies: training wall time (the sum of step times; evaluation
+excluded) until the first evaluation at or above it, averaged over ``--seeds``. For fully-async there is no per-step rollout:
+its rollout column is the time the producer needs for one batch at its throughput while busy.
+Goals (from the issue): async step time <= 1.10 x max(rollout, train); fully-async trainer idle
+< 5% when generation is faster than training; async and fully-async reach the target before sync.
+Writes the table to ``bench/results/modes.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = ("sync", "async", "fully_async")
+
+
+def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Namespace) -> dict:
+    from flows.train import train
+    from miles_core.config import RunConfig
+
+    engine = ({"type": "sglang", "launch": "hf-server", "cpu_affinity": [1], "num_threads": 1}
+              if args.engine == "server" else {"type": "hf", "num_threads": 1})
+    cfg = RunConfig.model_validate({
+        "name": f"bench-{mode}",
+        "mode": mode,
+        "seed": seed,
+        "model": {"path": model_dir},
+        "data": {"type": "toy"},
+        "rollout": {"num_rollout": args.steps, "rollout_batch_size": args.batch, "n_samples_per_prompt": 8,
+                    "rollout_max_response_len": 6},
+        "train": {"lr": 1e-4, "micro_batch_size": 128, "use_tis": args.tis and mode != "sync"},
+        "engine": engine,
+        "eval": {"eval_interval": args.eval_every, "num_prompts": 256},
+        "async_rollout": {"max_concurrent_samples": args.batch * 8, "buffer_capacity_factor": args.capacity_factor},
+        "storage": {"root": root},
+    })
+    t0 = time.perf_counter()
+    summary = train(cfg)
+    wall = time.perf_counter() - t0
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return {"mode": mode, "rows": rows, "evals": evals, "wall": wall, "summary": summary}
+
+
+def summarise(result: dict, args: argparse.Namespace) -> dict:
+    rows = result["rows"][2:] or result["rows"]  # the first steps warm up (and fill the pipeline)
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    samples = args.batch * 8
+    if result["mode"] == "fully_async":
+        # the producer's throughput while it generates (its idle share is time held back by the
+        # buffer bound, not generation), turned into seconds per batch
+        busy_qps = [r["async/producer_throughput_qps"] / max(1e-3, 1 - r["async/producer_idle_fraction"]) for r in rows]
+        qps = statistics.median(busy_qps)
+        rollout = samples / qps if qps > 0 else float("nan")
+    else:
+        rollout = med("rollout_seconds")
+    train = med("train_seconds")
+    elapsed, to_target = 0.0, {t: None for t in args.targets}
+    acc_at = {int(e["step"]): e["accuracy"] for e in result["evals"]}
+    for r in result["rows"]:
+        elapsed += r["step_seconds"]
+        for t in args.targets:
+            if to_target[t] is None and acc_at.get(r["step"], 0.0) >= t:
+                to_target[t] = elapsed
+    return {
+        "mode": result["mode"],
+        "step": med("step_seconds"),
+        "rollout": rollout,
+        "train": train,
+        "sum": rollout + train,
+        "max": max(rollout, train),
+        "idle": statistics.fmean(r["trainer_idle_fraction"] for r in rows),
+        # evaluation borrows the engine (fully async: the producer pauses and drains), so the
+        # step after each evaluation waits for a refill: that idle is evaluation's, not generation's
+        "idle_gen": statistics.fmean(r["trainer_idle_fraction"] for r in rows
+                                     if (r["step"] - 1) % args.eval_every != 0) if args.eval_every > 1 else float("nan"),
+        "to_target": to_target,
+        "acc_before": result["evals"][0]["accuracy"],
+        "acc_final": result["evals"][-1]["accuracy"],
+        "staleness": max(r.get("staleness_max", 0.0) for r in result["rows"]),
+        "train_seconds_total": sum(r["step_seconds"] for r in result["rows"]),
+    }
+
+
+def combine(per_seed: list[dict]) -> dict:
+    """One mode over several seeds: medians of the timings, mean time to each target (None if a
+    seed never got there), accuracies of every seed."""
+    keys = ("step", "rollout", "train", "sum", "max", "idle", "idle_gen")
+    out = {k: statistics.median(s[k] for s in per_seed) for k in keys}
+    out["mode"] = per_seed[0]["mode"]
+    out["to_target"] = {
+        t: None if any(s["to_target"][t] is None for s in per_seed) else statistics.fmean(s["to_target"][t] for s in per_seed)
+        for t in per_seed[0]["to_target"]
+    }
+    out["acc"] = ", ".join(f"{s['acc_before']:.3f} -> {s['acc_final']:.3f}" for s in per_seed)
+    out["staleness"] = max(s["staleness"] for s in per_seed)
+    return out
+
+
+def render(stats: list[dict], args: argparse.Namespace) -> str:
+    fmt = lambda x: "n/a" if x is None else f"{x:.1f} s"  # noqa: E731
+    targets = " | ".join(f"to acc {t}" for t in args.targets)
+    lines = [
+        f"Workload: toy addition, built-in tiny model, {args.steps} steps of {args.batch} prompts x 8 samples, "
+        f"eval every {args.eval_every} steps on 256 held-out prompts, seeds {args.seeds}; fully-async buffer "
+        f"capacity factor {args.capacity_factor}; TIS in async modes: {'on' if args.tis else 'off'}; engine: {args.engine}"
+        + (" (SGLang-protocol server pinned to core 1; trainer pinned to core 0; 1 torch thread each)"
+           if args.engine == "server" else " (in this process)")
+        + ". Step timings: seconds, medians over steps 3+ (median over seeds). Time to an accuracy: training"
+        " wall time (sum of step times, evaluation excluded) until the first evaluation at or above it,"
+        " mean over seeds.",
+        "",
+        "| mode | step wall | rollout | train | rollout+train | max(rollout, train) | step / max | trainer idle "
+        f"| idle, steps after an eval excluded | {targets} | accuracy before -> after (per seed) | max staleness |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.targets) + "---|---:|",
+    ]
+    for s in stats:
+        times = " | ".join(fmt(s["to_target"][t]) for t in args.targets)
+        lines.append(
+            f"| {s['mode']} | {s['step']:.3f} | {s['rollout']:.3f} | {s['train']:.3f} | {s['sum']:.3f} | "
+            f"{s['max']:.3f} | {s['step'] / s['max']:.2f} | {100 * s['idle']:.1f}% | {100 * s['idle_gen']:.1f}% | {times} | "
+            f"{s['acc']} | {s['staleness']:.0f} |"
+        )
+    by = {s["mode"]: s for s in stats}
+    lines += ["", "Goals (from the issue):"]
+    if "async" in by:
+        a = by["async"]
+        ok = a["step"] <= 1.10 * a["max"]
+        lines.append(f"- async step time <= 1.10 x max(rollout, train): {'MET' if ok else 'NOT MET'} "
+                     f"({a['step'] / a['max']:.2f}x)")
+    if "fully_async" in by:
+        f = by["fully_async"]
+        faster = f["rollout"] < f["train"]
+        ok = f["idle_gen"] < 0.05
+        lines.append(f"- fully-async trainer idle < 5% when generation is faster than training "
+                     f"(here generation {'is' if faster else 'is NOT'} faster; steps right after an evaluation "
+                     f"excluded, {100 * f['idle']:.1f}% with them): {'MET' if ok else 'NOT MET'} "
+                     f"({100 * f['idle_gen']:.1f}%)")
+    if "sync" in by:
+        for target in args.targets:
+            base = by["sync"]["to_target"][target]
+            for mode in ("async", "fully_async"):
+                if mode in by:
+                    t = by[mode]["to_target"][target]
+                    ok = t is not None and (base is None or t < base)
+                    lines.append(f"- {mode} reaches accuracy {target} before sync: {'MET' if ok else 'NOT MET'} "
+                                 f"({fmt(t)} vs {fmt(base)})")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=128, help="prompts per step (x 8 samples)")
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.6, 0.7, 0.75],
+                        help="held-out accuracies for time-to-target")
+    parser.add_argument("--engine", choices=("server", "inprocess"), default="server")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--capacity-factor", type=float, default=2.0,
+                        help="fully async: --async-data-buffer-capacity-factor")
+    parser.add_argument("--tis", action="store_true", help="async modes: truncated importance sampling (--use-tis)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "modes.md"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from miles_core.config import ModelConfig
+    from miles_core.models.tiny import ensure_model
+
+    if args.engine == "server" and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
+        os.sched_setaffinity(0, {0})  # the trainer's core; the engine server takes core 1
+    torch.set_num_threads(1)
+    model_dir = str(ensure_model(ModelConfig(), log=lambda *a: print(*a, file=sys.stderr)))
+    stats = []
+    with tempfile.TemporaryDirectory(prefix="bench-modes-") as root:
+        for mode in args.modes.split(","):
+            per_seed = []
+            for seed in args.seeds:
+                print(f"[{mode}, seed {seed}] {args.steps} steps ...", file=sys.stderr)
+                per_seed.append(summarise(run_mode(mode, seed, model_dir, root, args), args))
+            stats.append(combine(per_seed))
+    text = render(stats, args)
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        cmd = " ".join(["python bench/modes.py", *(argv if argv is not None else sys.argv[1:])])
+        f.write(f"Command: `.venv/bin/{cmd}`\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
