@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -271,8 +270,9 @@ def bench_backend(name: str, run_dir: str, opts: dict, args: argparse.Namespace,
     # best of --repeats passes (the machine is shared; the best pass is the least disturbed one)
     best: dict[str, Throughput] = {}
     local = run_dir.startswith("file://")
-    payloads = bench_stream_throughput(run_dir, opts, tables[:2], "warmup-tput", compression)[-1]  # warm both paths
-    bench_raw_throughput(run_dir, opts, payloads, args.samples_per_segment, "raw-warmup")
+    # warm both paths; pass 0 (stream first) then replaces these with the encoded bytes of every segment
+    payloads_all = bench_stream_throughput(run_dir, opts, tables[:2], "warmup-tput", compression)[-1]
+    bench_raw_throughput(run_dir, opts, payloads_all, args.samples_per_segment, "raw-warmup")
     for rep in range(args.repeats):
         # alternate which side goes first: a local endpoint's speed drifts as it stores more objects
         raw_first = rep % 2 == 1

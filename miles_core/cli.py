@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from miles_core.config import FileDataConfig, RunConfig
+from miles_core.config import RunConfig
 
 # flag -> dotted path in RunConfig. Names follow Miles where Miles has the flag.
 FLAGS: dict[str, str] = {

@@ -204,6 +204,10 @@ class AsyncConfig(_Base):
     """The trainer logs a warning each time it waits this long for data (Miles ``NO_PROGRESS``)."""
     generation_retries: int = Field(default=2, ge=0)
     """Retries of a failed generate call before its samples are marked failed (and counted)."""
+    read_ahead: bool = False
+    """fully_async: the trainer reads and decodes new segments in a background thread while it
+    trains. Helps when training runs on a GPU and the CPU is free; on a CPU-bound trainer it takes
+    the same core (measured here: train step 0.73 s -> 0.98 s), hence off by default."""
     weight_poll_s: float = Field(default=0.2, gt=0)
     """fully_async: how often the producer looks for a newer weight version."""
 

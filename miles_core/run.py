@@ -485,7 +485,7 @@ class RunSession:
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
             kwargs = {"warn": warn} if warn is not None else {}
-            self._feed = GroupFeed(self.stream, buffer, a, producer_check=self._check_producer, read_ahead=True,
+            self._feed = GroupFeed(self.stream, buffer, a, producer_check=self._check_producer, read_ahead=a.read_ahead,
                                    **kwargs)
             self._producer_seen = (time.monotonic(), 0, 0.0)
         return self._feed

@@ -28,7 +28,6 @@ segment, so a restarted producer continues where the last segment left off.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 import traceback
@@ -51,7 +50,6 @@ STATE_FILE = "state/producer.json"
 PARTIAL_PRODUCER = "partial"
 RECYCLE_PRODUCER = "recycle"
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
-log = logging.getLogger(__name__)
 
 
 class PromptSupply(Protocol):
@@ -247,7 +245,6 @@ class RolloutProducer:
         self.filters = GroupFilters(self.acfg.dynamic_filters)
         self.stats = ProducerStats()
         self.scheduler: SlotScheduler | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._gate: asyncio.Event | None = None  # set: requests may be submitted
         self._paused = False
@@ -286,7 +283,6 @@ class RolloutProducer:
 
     async def run(self) -> ProducerStats:
         """Produce until ``request_stop``. Raises what broke the producer (after writing its state)."""
-        self._loop = asyncio.get_running_loop()
         self._gate = asyncio.Event()
         self._gate.set()
         self.scheduler = SlotScheduler(self.acfg.max_concurrent_samples)
@@ -301,8 +297,8 @@ class RolloutProducer:
                 self._raise_if_failed()
                 await self._poll_weights_and_recycled()
                 await self._flush(force=False)
-                if not self._gate.is_set():
-                    await self._idle(self.acfg.weight_poll_s)
+                if not self._gate.is_set():  # paused, or loading weights
+                    await asyncio.sleep(self.acfg.weight_poll_s)
                     continue
                 if self._outstanding() >= self.capacity:
                     await self._flush(force=True)  # at the bound: nothing more comes until the trainer moves
@@ -328,9 +324,6 @@ class RolloutProducer:
         self.stats.run_seconds = time.monotonic() - started
         self.stats.idle_seconds = self.scheduler.idle_seconds()
         self.stats.peak_in_flight = self.scheduler.peak
-
-    async def _idle(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
     async def _start_next(self) -> None:
         """Take slots for the next unit (a group, or one sample) and start it."""
