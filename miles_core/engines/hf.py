@@ -24,8 +24,14 @@ leave the batch. A cancelled ``generate`` sets its own call's event the same way
 sharing its batch are untouched.
 
 Batching: rows batch together when they sample from the same distribution (temperature, top-p,
-top-k); lengths, stops and seeds are per row. Within a sampler, shortest prompts go together, in
-chunks of ``max_batch_size``.
+top-k); lengths, stops, seeds and LoRA adapters are per row. Within a sampler, shortest prompts go
+together, in chunks of ``max_batch_size``.
+
+LoRA: ``load_adapter(name, uri)`` loads a PEFT adapter folder under a name (or replaces the
+adapter of that name); the model becomes a PEFT wrapper of the base and every batch passes one
+adapter name per row (``__base__`` for none), so the base and any number of adapters serve
+together, unmerged. Base weight updates still load into the base and leave the adapters as they
+are. Results carry the base weights' version.
 
 Seeds: a request with ``seed`` draws its uniforms from ``torch.Generator().manual_seed(seed)``
 (``max_new_tokens`` of them, up front; new token t uses uniform t), so its output does not depend
@@ -38,9 +44,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import posixpath
+import tempfile
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +63,8 @@ from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResul
 if TYPE_CHECKING:
     from miles_core.config import HFEngineConfig
 
+BASE_ADAPTER = "__base__"
+"""PEFT's name for "no adapter" in a mixed-adapter batch."""
 _COMPACT_SHARE = 0.25
 """Finished rows leave the batch (and its KV cache) once they are this share of the batch."""
 
@@ -139,7 +151,9 @@ class HFEngine:
         self.device = torch.device(cfg.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dt)
-        self.model = model.to(self.device).eval()
+        self._base = model.to(self.device).eval()
+        self.model = self._base
+        """What generates: the base model, or a PEFT wrapper of it once an adapter is loaded."""
         self._eos_ids = _eos_ids(self.tokenizer, self.model)
         pad = self.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
@@ -199,9 +213,23 @@ class HFEngine:
             self._version = version
 
     async def load_adapter(self, name: str, uri: str) -> None:
-        """Not supported yet: the one method this engine leaves out, on purpose, until LoRA
-        adapters arrive with the training-backends issue."""
-        raise NotImplementedError("LoRA adapters arrive with the training-backends issue")
+        """Load the LoRA adapter in PEFT's folder format at ``uri`` (a local folder or any fsspec
+        URL, e.g. a WeightStore version) under ``name``, or replace the adapter of that name (a new
+        version of it), once in-flight generation has finished. Requests with ``adapter=name`` then
+        use it; the base and every loaded adapter serve side by side in the same batches, unmerged."""
+        self._ensure_open()
+        if not name or name == BASE_ADAPTER or name in "lora_":
+            # PEFT finds adapter weights by name inside "lora_A.<name>": a name inside "lora_"
+            # itself (e.g. "a") can be confused with the prefix when the weights load
+            raise ValueError(f"adapter name {name!r} is reserved, empty or part of PEFT's 'lora_' prefix; pick another")
+        async with self._lock:
+            self._ensure_open()
+            await _in_thread(self._install_adapter, name, uri)
+
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        return sorted(getattr(self.model, "peft_config", {}))
 
     async def pause(self) -> None:
         """New and queued ``generate`` calls wait until ``resume()``; returns once the running
@@ -292,8 +320,12 @@ class HFEngine:
             raise RuntimeError("HFEngine is closed")
 
     def _check_request(self, req: GenerateRequest) -> None:
-        if req.adapter is not None:
-            raise ValueError(f"request {req.rid!r} asks for adapter {req.adapter!r}; HFEngine has no adapters loaded")
+        if req.adapter is not None and req.adapter not in self.adapters:
+            loaded = ", ".join(self.adapters) or "none"
+            raise ValueError(
+                f"request {req.rid!r} asks for adapter {req.adapter!r}, which is not loaded (loaded: {loaded}); "
+                "call load_adapter(name, uri) first"
+            )
         if not req.prompt_ids:
             raise ValueError(f"request {req.rid!r} has an empty prompt (the engine needs at least one token)")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self._vocab:
@@ -330,6 +362,9 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         kv = {self._cache_kwarg: cache, "use_cache": True}
+        adapters = [row.req.adapter or BASE_ADAPTER for row in rows] if self.adapters else None
+        if adapters is not None:  # PEFT's mixed-adapter batches: one adapter (or the base) per row
+            kv["adapter_names"] = adapters
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kv)
         logits = out.logits[:, -1].float()
         next_pos = mask.sum(-1, keepdim=True)
@@ -347,6 +382,8 @@ class HFEngine:
                 cache.batch_select_indices(index)
                 mask, next_pos, tokens = mask[index], next_pos[index], tokens[index]
                 live = [live[b] for b in active]
+                if adapters is not None:
+                    kv["adapter_names"] = [adapters[i] for i in live]
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos, **kv)
             logits = out.logits[:, -1].float()
@@ -431,7 +468,7 @@ class HFEngine:
         tensor under several names, such as ``lm_head.weight`` and ``model.embed_tokens.weight``)
         may come under any of their names."""
         state = read_safetensors(uri, self.storage_options)
-        own = self.model.state_dict()
+        own = {name: self._base.state_dict()[actual] for name, actual in self._base_names().items()}
         for names in _alias_groups(own):
             present = [n for n in names if n in state]
             if present:
@@ -451,7 +488,32 @@ class HFEngine:
 
     @torch.no_grad()
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state, strict=True)
+        """Load base weights; loaded adapters stay as they are."""
+        names = self._base_names()
+        if not self.adapters:
+            self._base.load_state_dict(state, strict=True)
+            return
+        result = self._base.load_state_dict({names[k]: v for k, v in state.items()}, strict=False)
+        assert not result.unexpected_keys and all(".lora_" in k for k in result.missing_keys), result
+
+    def _base_names(self) -> dict[str, str]:
+        """Snapshot name -> the base model's own name of each weight. A LoRA layer renames the
+        weight it wraps to ``<module>.base_layer.weight`` and adds adapter weights, which base
+        snapshots do not carry."""
+        return {k.replace(".base_layer.", "."): k for k in self._base.state_dict() if ".lora_" not in k}
+
+    def _install_adapter(self, name: str, uri: str) -> None:
+        """Worker thread, under the lock: read the adapter folder and load it as ``name``."""
+        from peft import PeftModel
+
+        with _local_folder(uri, self.storage_options) as folder:
+            if not isinstance(self.model, PeftModel):
+                self.model = PeftModel.from_pretrained(self._base, folder, adapter_name=name).eval()
+                return
+            if name in self.model.peft_config:  # a new version of a loaded adapter
+                self.model.delete_adapter(name)
+            self.model.load_adapter(folder, adapter_name=name)
+            self.model.eval()
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -527,6 +589,26 @@ def _rows_by_sampler(calls: list[_Call]) -> dict[SamplingParams, list[_Row]]:
 
 
 # ------------------------------------------------------------------------------ weights I/O
+
+
+@contextmanager
+def _local_folder(uri: str, storage_options: dict[str, Any] | None = None) -> Iterator[str]:
+    """A local folder with the files at ``uri``: the folder itself, or a temporary copy of a remote
+    one (removed afterwards)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if "file" in fs.protocol or "local" in fs.protocol:
+        if not fs.isdir(path):
+            raise FileNotFoundError(f"adapter folder not found: {uri}")
+        yield path
+        return
+    if not fs.isdir(path):
+        raise FileNotFoundError(f"adapter folder not found: {uri}")
+    with tempfile.TemporaryDirectory(prefix="miles-adapter-") as tmp:
+        for remote in fs.find(path):
+            fs.get_file(remote, os.path.join(tmp, posixpath.relpath(remote, path)))
+        yield tmp
 
 
 def read_safetensors(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:

@@ -25,7 +25,8 @@ Endpoints (SGLang 0.5.x shapes):
   loads once the running batch is done; ``{"success", "message", "num_paused_requests"}``, 400 on failure.
 - ``POST /pause_generation`` {``mode``: ``abort`` (default) | ``in_place`` | ``retract``},
   ``POST /continue_generation``, ``POST /abort_request`` {``abort_all``}, ``POST /load_lora_adapter``
-  (refused: the transformers engine has no adapters yet), ``POST /flush_cache`` (no cache: a no-op),
+  {``lora_name``, ``lora_path``} (a PEFT adapter folder; ``lora_path`` in ``/generate`` then names
+  the adapter a request uses), ``POST /flush_cache`` (no cache: a no-op),
   ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_weight_version``.
 
 Where it differs from SGLang: no continuous batching (a request that arrives while a batch runs
@@ -233,7 +234,8 @@ class _Handlers:
             await self.engine.load_adapter(body.get("lora_name"), body.get("lora_path"))
         except Exception as e:
             return _json({"success": False, "error_message": f"{type(e).__name__}: {e}", "loaded_adapters": {}}, 400)
-        return _json({"success": True, "error_message": "", "loaded_adapters": {}})
+        loaded = {name: name for name in getattr(self.engine, "adapters", [])}
+        return _json({"success": True, "error_message": "", "loaded_adapters": loaded})
 
     async def flush_cache(self, request: Request) -> Response:
         from starlette.responses import PlainTextResponse

@@ -135,8 +135,8 @@ def test_client_errors_name_the_url_and_status(server):
     eng = client(server)
     with pytest.raises(EngineHTTPError, match=rf"{server.url}/generate answered HTTP 400: .*top_k=0"):
         asyncio.run(eng.generate([GenerateRequest([5], SamplingParams(top_k=0))]))
-    with pytest.raises(EngineHTTPError, match=r"load_lora_adapter answered HTTP 400: .*training-backends issue"):
-        asyncio.run(eng.load_adapter("a", "/nowhere"))
+    with pytest.raises(EngineHTTPError, match=r"load_lora_adapter answered HTTP 400: .*adapter folder not found"):
+        asyncio.run(eng.load_adapter("math", "/nowhere"))
     asyncio.run(eng.close())
 
 
@@ -210,3 +210,27 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
 def test_storage_options_reach_the_server_through_its_environment(tiny_model_dir):
     server = LocalEngineServer(str(tiny_model_dir), SERVER_CFG, storage_options={"key": "secret"})
     assert "secret" not in json.dumps(server.command())  # never on the command line
+
+
+def test_adapters_load_and_serve_over_http(server, tok, tiny_model_dir, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)  # LoRA weights drawn at random (init_lora_weights=False), so the adapter changes the policy
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(tmp_path / "math")
+
+    async def body():
+        eng = client(server)
+        await eng.load_adapter("math", str(tmp_path / "math"))
+        base = await eng.generate(requests(tok, greedy_params(max_new_tokens=4)))
+        reqs = [GenerateRequest(r.prompt_ids, r.sampling, rid=r.rid, adapter="math")
+                for r in requests(tok, greedy_params(max_new_tokens=4))]
+        adapted = await eng.generate(reqs)
+        await eng.close()
+        return base, adapted
+
+    base, adapted = asyncio.run(body())
+    assert [r.logprobs for r in base] != [r.logprobs for r in adapted], "lora_path selects the adapter"

@@ -51,11 +51,95 @@ def test_setup_engine_rejects_an_unknown_config(tiny_model_dir):
         setup_engine({"type": "hf"}, str(tiny_model_dir))
 
 
-def test_load_adapter_is_not_implemented_yet(engine):
-    with pytest.raises(NotImplementedError, match="training-backends issue"):
-        asyncio.run(engine.load_adapter("a", "memory://a"))
-    with pytest.raises(ValueError, match="adapter 'a'"):
-        asyncio.run(engine.generate([GenerateRequest([5], adapter="a")]))
+# ------------------------------------------------------------------------------------ LoRA
+
+
+def make_adapter(model_dir, folder, seed: int, rank: int = 4) -> str:
+    """A LoRA adapter of the tiny model in PEFT's folder format, with random (non-zero) weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(folder)
+    return str(folder)
+
+
+def _greedy(engine, adapter=None, prompts=PROMPTS):
+    reqs = [GenerateRequest(r.prompt_ids, greedy_params(), rid=r.rid, adapter=adapter)
+            for r in requests(engine.tokenizer, greedy_params(), prompts)]
+    return asyncio.run(engine.generate(reqs))
+
+
+def _flat(results) -> list[float]:
+    return [x for r in results for x in r.logprobs]
+
+
+def test_adapters_serve_by_name_beside_the_base_in_one_batch(tiny_model_dir, engine, tmp_path):
+    base_before = _greedy(engine)
+    a = make_adapter(tiny_model_dir, tmp_path / "math", seed=1)
+    b = make_adapter(tiny_model_dir, tmp_path / "code", seed=2)
+    asyncio.run(engine.load_adapter("math", a))
+    asyncio.run(engine.load_adapter("code", b))
+    assert engine.adapters == ["code", "math"]
+    alone = {name: _greedy(engine, name) for name in ("math", "code")}
+    assert [r.output_ids for r in _greedy(engine)] == [r.output_ids for r in base_before], "the base is unchanged"
+    assert [r.logprobs for r in alone["math"]] != [r.logprobs for r in base_before], "an adapter changes the policy"
+    assert [r.logprobs for r in alone["math"]] != [r.logprobs for r in alone["code"]]
+
+    # one call mixing base, a and b: each row gets exactly what it gets alone (no merging)
+    tok = engine.tokenizer
+    mixed = [GenerateRequest(tok.encode(PROMPTS[0]), greedy_params(), rid=name or "base", adapter=name)
+             for name in (None, "math", "code")]
+    dispatches = engine.stats.batches_run
+    got = asyncio.run(engine.generate(mixed))
+    assert engine.stats.batches_run == dispatches + 1, "base and adapters share one batch"
+    for result, want in zip(got, (base_before[0], alone["math"][0], alone["code"][0])):
+        assert result.output_ids == want.output_ids
+        assert result.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_loading_an_adapter_again_replaces_it(tiny_model_dir, engine, tmp_path):
+    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "a1", seed=1)))
+    first = _greedy(engine, "math")
+    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "a2", seed=7, rank=8)))
+    second = _greedy(engine, "math")
+    asyncio.run(engine.load_adapter("other", make_adapter(tiny_model_dir, tmp_path / "a1b", seed=1)))
+    assert _flat(_greedy(engine, "other")) == pytest.approx(
+        _flat(first)), "the same adapter files give the same policy under any name"
+    assert [r.logprobs for r in second] != [r.logprobs for r in first]
+    assert engine.adapters == ["math", "other"]
+
+
+def test_adapters_load_from_a_weight_store_version_and_survive_base_updates(tiny_model_dir, engine, tmp_path):
+    from miles_core.storage import WeightStore
+
+    store = WeightStore("memory://adapters-test/weights")
+    uri = store.publish_folder(1, make_adapter(tiny_model_dir, tmp_path / "math", seed=3))
+    asyncio.run(engine.load_adapter("math", uri))
+    with_adapter = _greedy(engine, "math")
+    # a base update with the adapter loaded: the base changes, the adapter stays loaded
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    snapshot = save_snapshot(perturbed_state(base, 0.5), tmp_path / "v1.safetensors", drop_tied=False)
+    asyncio.run(engine.update_weights(str(snapshot), 1))
+    assert engine.adapters == ["math"] and engine.weight_version == 1
+    assert [r.logprobs for r in _greedy(engine, "math")] != [r.logprobs for r in with_adapter]
+    back = save_snapshot(base.state_dict(), tmp_path / "v2.safetensors", drop_tied=False)
+    asyncio.run(engine.update_weights(str(back), 2))  # back to the starting base weights
+    assert _flat(_greedy(engine, "math")) == pytest.approx(_flat(with_adapter), abs=1e-6)
+
+
+def test_adapter_errors_are_clear(engine, tmp_path):
+    with pytest.raises(ValueError, match="adapter 'math', which is not loaded \\(loaded: none\\)"):
+        asyncio.run(engine.generate([GenerateRequest([5], adapter="math")]))
+    with pytest.raises(FileNotFoundError, match="adapter folder not found"):
+        asyncio.run(engine.load_adapter("math", str(tmp_path / "nowhere")))
+    for bad in ("__base__", "a", ""):
+        with pytest.raises(ValueError, match="reserved, empty or part of PEFT's 'lora_' prefix"):
+            asyncio.run(engine.load_adapter(bad, str(tmp_path)))
 
 
 def test_batch_size_does_not_change_outputs(tiny_model_dir, engine):
