@@ -56,9 +56,13 @@ FLAGS: dict[str, str] = {
     "--adam-beta1": "train.adam_beta1",
     "--adam-beta2": "train.adam_beta2",
     "--clip-grad": "train.clip_grad",
-    "--eps-clip": "train.eps_clip",
-    "--eps-clip-high": "train.eps_clip_high",
+    "--advantage-estimator": "train.loss.type",
+    "--eps-clip": "train.loss.eps_clip",
+    "--eps-clip-high": "train.loss.eps_clip_high",
+    "--eps-clip-c": "train.loss.eps_clip_c",
+    "--entropy-coef": "train.entropy_coef",
     "--kl-coef": "train.kl_coef",
+    "--kl-loss-coef": "train.kl_coef",
     "--kl-loss-type": "train.kl_type",
     "--use-tis": "train.use_tis",
     "--tis-mode": "train.tis_mode",
@@ -92,7 +96,7 @@ FLAGS: dict[str, str] = {
 SWITCHES: dict[str, tuple[str, Any]] = {
     "--fully-async": ("mode", "fully_async"),
     "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
-    "--disable-grpo-std-normalization": ("train.advantage_std_normalize", False),
+    "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
 }
 KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
 _EVAL_INHERITS = ("input_key", "label_key", "apply_chat_template", "prompt_template", "metadata_keys")

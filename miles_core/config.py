@@ -11,7 +11,8 @@ Parts:
 - ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
 - ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process) or
   ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches).
-- ``TrainConfig``: batch sizes, optimizer, advantage and loss settings, trainer backend union.
+- ``TrainConfig``: batch sizes, optimizer, loss union (``LossConfig``: grpo, dr_grpo, gspo,
+  reinforce_plus_plus), KL and entropy terms, rollout correction, trainer backend union.
 - ``EvalConfig``: held-out evaluation.
 - ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
 - ``StorageConfig``: where the run's samples, weights and metrics go.
@@ -25,7 +26,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Base(BaseModel):
@@ -293,6 +294,72 @@ class TorchTrainerConfig(_Base):
 TrainerBackendConfig = Annotated[Union[TorchTrainerConfig], Field(discriminator="type")]
 
 
+class _PPOClip(_Base):
+    """Clip settings shared by the PPO-style losses."""
+
+    eps_clip: float = Field(default=0.2, gt=0)
+    """PPO clip range below 1 (ratio is clipped to [1 - eps_clip, 1 + eps_clip_high])."""
+    eps_clip_high: float | None = Field(default=None, gt=0)
+    """PPO clip range above 1 (None: same as ``eps_clip``)."""
+    eps_clip_c: float | None = Field(default=None, gt=1)
+    """Dual clip: for negative advantages the token loss is at most ``eps_clip_c * |A|`` (None: off;
+    must be > 1)."""
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+class GRPOLossConfig(_PPOClip):
+    """GRPO: PPO-clip surrogate per token, advantages centred (and scaled) within each group."""
+
+    type: Literal["grpo"] = "grpo"
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    advantage_std_normalize: bool = True
+    """Divide group-centred rewards by the group's std."""
+    reducer: Literal["token_mean", "seq_mean"] = "token_mean"
+    """How token losses become one number: mean over all tokens, or mean of per-sequence means."""
+
+
+class DrGRPOLossConfig(_PPOClip):
+    """Dr.GRPO: group-centred advantages without std, token losses summed per sequence and divided by
+    a constant ``max_len`` (no length normalisation), mean over sequences."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    max_len: int | None = Field(default=None, ge=1)
+    """The constant divisor (None: ``rollout.rollout_max_response_len``, filled in by ``RunConfig``)."""
+
+
+class GSPOLossConfig(_PPOClip):
+    """GSPO: one importance ratio per sequence, exp(mean_t (logp - old_logp)), clipped per sequence;
+    group-normalised advantages; mean over sequences."""
+
+    type: Literal["gspo"] = "gspo"
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    eps_clip: float = Field(default=3e-4, gt=0)
+    """Sequence-ratio clip range below 1 (the GSPO paper's 3e-4)."""
+    eps_clip_high: float | None = Field(default=4e-4, gt=0)
+    """Sequence-ratio clip range above 1 (the GSPO paper's 4e-4; None: same as ``eps_clip``)."""
+    advantage_std_normalize: bool = True
+    """Divide group-centred rewards by the group's std."""
+
+
+class ReinforcePPLossConfig(_PPOClip):
+    """REINFORCE++: no group baseline, no critic; every token of a sample gets its reward, whitened
+    over all trained tokens of the batch (global mean and std); PPO-clip surrogate per token."""
+
+    type: Literal["reinforce_plus_plus"] = "reinforce_plus_plus"
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    reducer: Literal["token_mean", "seq_mean"] = "token_mean"
+    """How token losses become one number: mean over all tokens, or mean of per-sequence means."""
+
+
+LossConfig = Annotated[
+    Union[GRPOLossConfig, DrGRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig], Field(discriminator="type")
+]
+
+
 class TrainConfig(_Base):
     """Optimisation of the policy on each rollout batch."""
 
@@ -318,16 +385,12 @@ class TrainConfig(_Base):
     """AdamW beta2."""
     clip_grad: float = 1.0
     """Max global gradient norm (0: no clipping)."""
-    advantage_std_normalize: bool = True
-    """GRPO: divide group-centred rewards by the group's std (False is Dr.GRPO-style)."""
-    eps_clip: float = 0.2
-    """PPO clip range below 1 (ratio is clipped to [1 - eps_clip, 1 + eps_clip_high])."""
-    eps_clip_high: float | None = None
-    """PPO clip range above 1 (None: same as ``eps_clip``)."""
-    loss_reducer: Literal["token_mean", "seq_mean"] = "token_mean"
-    """How token losses become one number: mean over all tokens, or mean of per-sequence means."""
-    kl_coef: float = 0.0
-    """Weight of the KL-to-reference term in the loss (0: no reference model is kept)."""
+    loss: LossConfig = Field(default_factory=lambda: GRPOLossConfig())
+    """Policy loss and the advantages it trains on (tagged by ``type``; see ``LossConfig``)."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: the loss gets ``- entropy_coef * H`` (H reduced like the policy loss; 0: off)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL-to-reference term added to the loss (0: no reference model is kept)."""
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman's k1, k2, k3)."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
@@ -348,6 +411,14 @@ class TrainConfig(_Base):
     seed: int = 0
     """Seed of the trainer (shuffling of micro-batches, dropout)."""
 
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _default_loss_type(cls, value: Any) -> Any:
+        # ``[train.loss] eps_clip = 0.3`` (or ``--eps-clip``) without a type means the default, grpo
+        if isinstance(value, dict) and "type" not in value:
+            return {**value, "type": "grpo"}
+        return value
+
     @model_validator(mode="after")
     def _check_rollout_correction(self) -> TrainConfig:
         if self.tis_clip_low >= self.tis_clip:
@@ -358,10 +429,6 @@ class TrainConfig(_Base):
                 "denominator the importance ratio exp(old - rollout) is 1 on every token"
             )
         return self
-
-    @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
     def minibatch_sizes(self, num_samples: int) -> list[int]:
         """Samples in each optimizer step of a batch of ``num_samples`` (the last one may be smaller
@@ -475,6 +542,9 @@ class RunConfig(_Base):
         if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
             raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
         self.train.minibatch_sizes(samples)  # global_batch_size and num_steps_per_rollout agree
+        if isinstance(self.train.loss, DrGRPOLossConfig) and self.train.loss.max_len is None:
+            # Dr.GRPO's constant is the generation budget; written into the config so the run records it
+            self.train.loss.max_len = self.rollout.rollout_max_response_len
         if self.async_rollout.partial_rollout and self.rollout.custom_generate_function_path:
             raise ValueError(
                 "async_rollout.partial_rollout cannot continue samples of a custom generate function "

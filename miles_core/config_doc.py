@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 
 from pydantic import BaseModel
 
@@ -39,7 +40,8 @@ def _section(model: type[BaseModel], prefix: str, flags: dict[str, list[str]], l
         else:
             default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
         desc = " ".join((info.description or "").split()).replace("|", "\\|")
-        lines.append(f"| `{path}` | `{_type_name(info.annotation)}` | {default} | {', '.join(flags.get(path, []))} | {desc} |")
+        flag_path = re.sub(r"\[type=[^]]*\]", "", path)  # flags name union fields without the tag
+        lines.append(f"| `{path}` | `{_type_name(info.annotation)}` | {default} | {', '.join(flags.get(flag_path, []))} | {desc} |")
     return nested
 
 

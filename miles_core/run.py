@@ -297,9 +297,7 @@ class RunSession:
 
         t0 = time.perf_counter()
         lags = [group_lag(g, self.trainer.version) for g in groups]
-        batch = TrainBatch.from_groups(
-            groups, self.cfg.rollout.rollout_temperature, normalize_std=self.cfg.train.advantage_std_normalize
-        )
+        batch = TrainBatch.from_groups(groups, self.cfg.rollout.rollout_temperature, loss=self.cfg.train.loss)
         metrics = self.trainer.step(batch)
         version = self.trainer.version
         if metrics["num_optimizer_steps"] > 0:

@@ -1,7 +1,9 @@
 """Training: advantage and loss math, the Trainer protocol, and its implementations.
 
-- ``advantages``: GRPO group advantages (pure functions; failed samples get 0).
-- ``losses``: PPO clip loss, KL estimators, token logprobs, entropy, reducers, rollout correction
+- ``advantages``: GRPO / Dr.GRPO group advantages, REINFORCE++ batch-whitened advantages, picked by
+  the loss config's ``type`` (pure functions; failed samples get 0).
+- ``losses``: the policy losses (PPO clip with optional dual clip, Dr.GRPO, GSPO) and their registry
+  ``setup_policy_loss``, KL estimators, token logprobs, entropy, reducers, rollout correction
   (truncated / masked importance weights, trainer-vs-rollout mismatch metrics); pure functions.
 - ``base``: ``TrainBatch`` and the ``Trainer`` protocol.
 - ``batch``: samples -> right-padded tensors aligned for next-token prediction.

@@ -1,9 +1,11 @@
-"""GRPO advantages: rewards centred (and optionally scaled) within each group of one prompt.
+"""Advantages: one number per sample, from the rewards of a batch of groups.
 
 - ``grpo_advantages(rewards)``: a ``[groups, n]`` tensor, or a list of groups (lists may be ragged
-  and may hold ``None``), to advantages of the same shape.
+  and may hold ``None``), to advantages of the same shape (GRPO; Dr.GRPO without the std).
 - ``sample_advantages(groups)``: one advantage per sample, in the order of
   ``miles_core.types.flatten(groups)`` (the order a ``TrainBatch`` lists samples in).
+- ``reinforce_pp_advantages(rewards, token_counts)``: REINFORCE++, rewards whitened over the batch.
+- ``compute_advantages(loss_cfg, groups)``: the estimator the loss config's ``type`` names.
 
 Definitions (chosen once, used everywhere):
 
@@ -21,11 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, overload
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, overload
+
+from miles_core.types import flatten
 
 if TYPE_CHECKING:
     import torch
 
+    from miles_core.config import LossConfig
     from miles_core.types import Group
 
 
@@ -67,3 +73,53 @@ def sample_advantages(groups: Sequence[Group], normalize_std: bool = True, eps: 
     """Per-sample GRPO advantages of ``groups``, flattened in ``types.flatten`` order."""
     per_group = grpo_advantages([g.rewards for g in groups], normalize_std, eps)
     return [a for group in per_group for a in group]
+
+
+def reinforce_pp_advantages(
+    rewards: Sequence[float | None], token_counts: Sequence[int], eps: float = 1e-6
+) -> list[float]:
+    """A_i = (r_i - mu) / (sigma + eps), mu and sigma the mean and population std of the reward over
+    every trained token of the batch (sample i counted token_counts[i] times); ``None`` -> 0.
+
+    REINFORCE++ (Hu et al. 2025) with an outcome reward and no KL in the reward: each token's return
+    is the sample's reward, and advantages are whitened over the whole batch (no group baseline, no
+    critic). A sample with no trained token does not enter mu or sigma."""
+    if len(rewards) != len(token_counts):
+        raise ValueError(f"{len(rewards)} rewards but {len(token_counts)} token counts")
+    scored = [(float(r), n) for r, n in zip(rewards, token_counts) if r is not None and n > 0]
+    tokens = sum(n for _, n in scored)
+    if not tokens:
+        return [0.0] * len(rewards)
+    mean = sum(r * n for r, n in scored) / tokens
+    std = math.sqrt(sum(n * (r - mean) ** 2 for r, n in scored) / tokens)
+    return [0.0 if r is None else (float(r) - mean) / (std + eps) for r in rewards]
+
+
+def _grpo(cfg: Any, groups: Sequence[Group]) -> list[float]:
+    return sample_advantages(groups, cfg.advantage_std_normalize)
+
+
+def _dr_grpo(cfg: Any, groups: Sequence[Group]) -> list[float]:
+    return sample_advantages(groups, normalize_std=False)
+
+
+def _reinforce_pp(cfg: Any, groups: Sequence[Group]) -> list[float]:
+    samples = flatten(list(groups))
+    return reinforce_pp_advantages([s.reward for s in samples], [sum(s.loss_mask) for s in samples])
+
+
+_ESTIMATORS: dict[str, Callable[[Any, Sequence[Group]], list[float]]] = {
+    "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
+    "gspo": _grpo,
+    "reinforce_plus_plus": _reinforce_pp,
+}
+
+
+def compute_advantages(loss_cfg: LossConfig, groups: Sequence[Group]) -> list[float]:
+    """Per-sample advantages for the loss ``loss_cfg.type`` names, in ``types.flatten`` order."""
+    try:
+        estimate = _ESTIMATORS[loss_cfg.type]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {loss_cfg.type!r}; expected one of {sorted(_ESTIMATORS)}") from None
+    return estimate(loss_cfg, groups)

@@ -1,6 +1,7 @@
 """The Trainer protocol and the batch it trains on.
 
-- ``TrainBatch``: the samples of one training step, one advantage per sample, and the rollout
+- ``TrainBatch``: the samples of one training step, one advantage per sample (``from_groups``: the
+  estimator of the loss config), and the rollout
   temperature (the trainer computes logprobs of ``logits / temperature``, as the engine did).
 - ``Trainer``: ``step(batch) -> metrics``; ``export(version) -> uri`` publishes the policy weights
   to the run's WeightStore; ``state_dict()`` / ``load_state_dict()`` are the full training state
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from miles_core.types import Group, Sample, flatten
+
+if TYPE_CHECKING:
+    from miles_core.config import LossConfig
 
 
 @dataclass
@@ -34,12 +38,15 @@ class TrainBatch:
 
     @classmethod
     def from_groups(
-        cls, groups: Sequence[Group], temperature: float, normalize_std: bool = True
+        cls, groups: Sequence[Group], temperature: float, loss: LossConfig | None = None
     ) -> TrainBatch:
-        """GRPO advantages of ``groups``; samples with reward None get advantage 0 (and train nothing)."""
-        from miles_core.train.advantages import sample_advantages
+        """Advantages of ``groups`` for ``loss`` (None: the default, GRPO); samples with reward None
+        get advantage 0 (and train nothing)."""
+        from miles_core.config import GRPOLossConfig
+        from miles_core.train.advantages import compute_advantages
 
-        return cls(flatten(list(groups)), sample_advantages(groups, normalize_std), temperature)
+        advantages = compute_advantages(loss or GRPOLossConfig(), groups)
+        return cls(flatten(list(groups)), advantages, temperature)
 
 
 @runtime_checkable

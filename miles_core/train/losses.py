@@ -3,10 +3,13 @@
 Parts:
 - ``token_logprobs`` / ``entropy_from_logits``: per-token quantities from logits.
 - ``reduce_tokens`` / ``reducer_denominator``: how a ``[B, T]`` tensor of token values becomes one
-  number (``token_mean`` or ``seq_mean``), with an optional external denominator so that micro-batch
+  number (``token_mean``, ``seq_mean`` or ``seq_sum``), with an optional external denominator so that micro-batch
   pieces of a minibatch add up to exactly the minibatch's value (gradient accumulation).
-- ``ppo_clip_loss``: the clipped surrogate objective (PPO / GRPO), with its diagnostics and an
-  optional per-token weight (the rollout correction below).
+- Policy losses, one pure function each, on top of ``clipped_surrogate`` (PPO clip, optional dual
+  clip): ``ppo_clip_loss`` (per-token ratio; GRPO and REINFORCE++), ``dr_grpo_loss`` (token sums
+  over a constant length) and ``gspo_loss`` (one ratio per sequence). Each returns its diagnostics
+  and takes an optional per-token weight (the rollout correction below). ``setup_policy_loss(cfg)``
+  picks one by ``cfg.type`` (``miles_core.config.LossConfig``) and binds its settings.
 - ``kl_penalty``: Schulman's k1 / k2 / k3 estimators of KL(pi || pi_ref), per token.
 - Rollout correction (off-policy samples): ``truncated_is_weights`` (TIS) and ``masked_is_weights``
   (MIS: ratio-band rejection), both behind ``rollout_correction(mode, ...)``, and
@@ -27,12 +30,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
-Reducer = Literal["token_mean", "seq_mean"]
+if TYPE_CHECKING:
+    from miles_core.config import LossConfig
+
+Reducer = Literal["token_mean", "seq_mean", "seq_sum"]
 KLKind = Literal["k1", "k2", "k3"]
 ISMode = Literal["truncate", "mask"]
 
@@ -73,6 +80,8 @@ _REDUCERS: dict[str, _ReducerMath] = {
     "token_mean": _ReducerMath(_token_sum, lambda mask: mask.sum()),
     # mean over sequences (those with at least one masked token) of their token means
     "seq_mean": _ReducerMath(_sum_of_sequence_means, lambda mask: (mask.sum(dim=-1) > 0).sum()),
+    # mean over sequences (those with at least one masked token) of their token sums (Dr.GRPO)
+    "seq_sum": _ReducerMath(_token_sum, lambda mask: (mask.sum(dim=-1) > 0).sum()),
 }
 
 
@@ -84,12 +93,12 @@ def _reducer(name: str) -> _ReducerMath:
 
 
 def reducer_denominator(mask: Tensor, reducer: Reducer) -> float:
-    """token_mean: sum(mask); seq_mean: number of sequences with sum_t mask > 0."""
+    """token_mean: sum(mask); seq_mean and seq_sum: number of sequences with sum_t mask > 0."""
     return float(_reducer(reducer).denominator(mask.float()))
 
 
 def reduce_tokens(values: Tensor, mask: Tensor, reducer: Reducer, denom: float | None = None) -> Tensor:
-    """token_mean: sum(v m) / D; seq_mean: sum_b [sum_t v m / sum_t m] / D; D = denom or own denominator.
+    """token_mean, seq_sum: sum(v m) / D; seq_mean: sum_b [sum_t v m / sum_t m] / D; D = denom or own denominator.
 
     Passing the denominator of a whole minibatch makes the values of its micro-batches sum to the
     minibatch value. An empty mask gives 0 (the denominator is clamped to at least 1)."""
@@ -104,6 +113,26 @@ def reduce_tokens(values: Tensor, mask: Tensor, reducer: Reducer, denom: float |
 # ------------------------------------------------------------------------------------------ loss
 
 
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """l = max(-A r, -A clip(r, 1 - eps, 1 + eps_high)); dual clip: l = min(l, c |A|) where A < 0.
+
+    Returns ``(l, clipped)`` where ``clipped`` is 1 where a clip (either) is in force. The dual clip
+    (Ye et al. 2020, verl's ``clip_ratio_c``) bounds the loss of a negative-advantage token whose
+    ratio has grown large, which the plain max leaves unbounded."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    in_force = clipped > unclipped
+    if eps_clip_c is not None:
+        dual = torch.minimum(loss, -advantages * eps_clip_c)
+        dual_in_force = (advantages < 0) & (dual < loss)
+        loss = torch.where(advantages < 0, dual, loss)
+        in_force = in_force | dual_in_force
+    return loss, in_force.to(loss.dtype)
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -114,35 +143,148 @@ def ppo_clip_loss(
     reducer: Reducer = "token_mean",
     denom: float | None = None,
     weights: Tensor | None = None,
+    eps_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = reduce(w max(-A r, -A clip(r, 1 - eps, 1 + eps_high))), r = exp(logp - old_logp), w = weights or 1.
+    """loss = reduce(w clipped_surrogate(r, A)), r = exp(logp - old_logp) per token, w = weights or 1.
 
     ``weights`` (``[B, T]``, no gradient) are the rollout-correction weights of
     ``rollout_correction``; they scale each token's loss and are constants of the minibatch, so
     micro-batch pieces still add up to the minibatch loss. Metrics (detached, reduced like the
     loss, so micro-batch values add up too, and unweighted): ``clipfrac`` (share of tokens where
-    the clipped term is in force), ``ratio_mean``, ``ratio_dev`` (mean |r - 1|, how far the policy
+    a clip is in force), ``ratio_mean``, ``ratio_dev`` (mean |r - 1|, how far the policy
     has moved from ``old_logprobs`` on these tokens) and ``approx_kl`` (0.5 (logp - old_logp)^2,
     the k2 estimate of KL(old || new))."""
-    high = eps_clip if eps_clip_high is None else eps_clip_high
-    if advantages.dim() == logprobs.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high)
-    per_token = torch.maximum(unclipped, clipped)
+    return _surrogate_loss(torch.exp(log_ratio), log_ratio, advantages, mask, eps_clip, eps_clip_high,
+                           eps_clip_c, reducer, denom, weights)
+
+
+def dr_grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    max_len: int,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    denom: float | None = None,
+    weights: Tensor | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = (1 / S) sum_b sum_t m w clipped_surrogate(r, A) / max_len, S = sequences with a trained token.
+
+    Dr.GRPO (Liu et al. 2025): no 1 / |o_b| per sequence, so long and short answers weigh the same
+    per token. ``denom`` is S of the minibatch (reducer ``seq_sum``). The metrics are reduced the
+    same way, so ``clipfrac`` is clipped tokens per ``max_len`` token budget."""
+    loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high, "seq_sum",
+                                  denom, weights, eps_clip_c)
+    return loss / max_len, {k: v / max_len for k, v in metrics.items()}
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """log s[b] = sum_t m (logp - old_logp) / sum_t m, ``[B]`` (0 for a sequence with no trained token)."""
+    mask = mask.to(logprobs.dtype)
+    return ((logprobs - old_logprobs) * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip: float = 3e-4,
+    eps_clip_high: float | None = 4e-4,
+    denom: float | None = None,
+    weights: Tensor | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = mean_b clipped_surrogate(s_b, A_b), s_b = exp(mean_t (logp - old_logp)) over b's trained tokens.
+
+    GSPO (Zheng et al. 2025): one ratio per sequence, clipped per sequence. The sequence loss is
+    spread over its tokens and reduced by ``seq_mean`` (``denom``: sequences of the minibatch), which
+    gives exactly the mean over sequences; ``weights`` still scale tokens. Metrics are per sequence
+    (``ratio_*``, ``clipfrac``) except ``approx_kl`` (per token)."""
+    log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask).unsqueeze(-1).expand_as(logprobs)
+    return _surrogate_loss(torch.exp(log_ratio), logprobs - old_logprobs, advantages, mask, eps_clip,
+                           eps_clip_high, eps_clip_c, "seq_mean", denom, weights)
+
+
+def _surrogate_loss(
+    ratio: Tensor,
+    token_log_ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None,
+    eps_clip_c: float | None,
+    reducer: Reducer,
+    denom: float | None,
+    weights: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    if advantages.dim() == ratio.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    per_token, clipped = clipped_surrogate(ratio, advantages, eps_clip, high, eps_clip_c)
     if weights is not None:
         per_token = per_token * weights.detach()
     loss = reduce_tokens(per_token, mask, reducer, denom)
     with torch.no_grad():
         metrics = {
-            "clipfrac": reduce_tokens((clipped > unclipped).to(per_token.dtype), mask, reducer, denom),
+            "clipfrac": reduce_tokens(clipped, mask, reducer, denom),
             "ratio_mean": reduce_tokens(ratio.detach(), mask, reducer, denom),
             "ratio_dev": reduce_tokens((ratio.detach() - 1.0).abs(), mask, reducer, denom),
-            "approx_kl": reduce_tokens(0.5 * log_ratio.detach() ** 2, mask, reducer, denom),
+            "approx_kl": reduce_tokens(0.5 * token_log_ratio.detach() ** 2, mask, reducer, denom),
         }
     return loss, metrics
+
+
+# ------------------------------------------------------------------------------- loss registry
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""``fn(logprobs, old_logprobs, advantages, mask, denom=..., weights=...) -> (loss, metrics)``."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss with its settings bound, and the reducer whose denominator it expects."""
+
+    fn: PolicyLossFn
+    reducer: Reducer
+
+
+def _ppo_clip(cfg: Any) -> PolicyLoss:
+    clip = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
+    return PolicyLoss(partial(ppo_clip_loss, reducer=cfg.reducer, **clip), cfg.reducer)
+
+
+def _dr_grpo(cfg: Any) -> PolicyLoss:
+    if cfg.max_len is None:
+        raise ValueError("train.loss.max_len is None: set it (a RunConfig fills it from rollout.rollout_max_response_len)")
+    fn = partial(dr_grpo_loss, max_len=cfg.max_len, eps_clip=cfg.eps_clip, eps_clip_high=cfg.clip_high,
+                 eps_clip_c=cfg.eps_clip_c)
+    return PolicyLoss(fn, "seq_sum")
+
+
+def _gspo(cfg: Any) -> PolicyLoss:
+    fn = partial(gspo_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
+    return PolicyLoss(fn, "seq_mean")
+
+
+_POLICY_LOSSES: dict[str, Callable[[Any], PolicyLoss]] = {
+    "grpo": _ppo_clip,
+    "dr_grpo": _dr_grpo,
+    "gspo": _gspo,
+    "reinforce_plus_plus": _ppo_clip,
+}
+
+
+def setup_policy_loss(cfg: LossConfig) -> PolicyLoss:
+    """The policy loss ``cfg.type`` names (``miles_core.config.LossConfig``), its settings bound."""
+    try:
+        build = _POLICY_LOSSES[cfg.type]
+    except KeyError:
+        raise ValueError(f"unknown loss type {cfg.type!r}; expected one of {sorted(_POLICY_LOSSES)}") from None
+    return build(cfg)
 
 
 def _k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:

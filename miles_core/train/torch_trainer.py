@@ -15,14 +15,17 @@ One ``step(batch)``:
    trained token is skipped: no optimizer step, no new version);
 4. per minibatch, accumulate gradients over micro-batches of ``micro_batch_size`` samples. Each
    micro-batch's loss is divided by the *minibatch's* denominator (its masked-token count for
-   ``token_mean``, its number of trained sequences for ``seq_mean``), so the accumulated gradient is
-   the gradient of the minibatch loss, whatever the micro-batch size;
+   ``token_mean``, its number of trained sequences for ``seq_mean`` / ``seq_sum``; the policy loss
+   says which), so the accumulated gradient is the gradient of the minibatch loss, whatever the
+   micro-batch size;
 5. clip the gradient norm, take an AdamW step, and count one more version.
 
 Every optimizer step after the first of a batch trains on samples its weights did not produce;
 ``offpolicy_ratio_dev`` and ``offpolicy_clipfrac`` (steps 2..k) show how far they have drifted.
 
-Loss = PPO clip loss + kl_coef * KL(pi || pi_ref), both reduced the same way. Logprobs are those of
+Loss = policy loss + kl_coef * KL(pi || pi_ref) - entropy_coef * H, all reduced the same way. The
+policy loss is the one ``train.loss.type`` names (``losses.setup_policy_loss``: grpo, dr_grpo, gspo,
+reinforce_plus_plus); the advantages it trains on come with the batch (``TrainBatch.from_groups``). Logprobs are those of
 ``logits / temperature`` (raw logits when the temperature is 0), as the rollout engines report them.
 """
 
@@ -49,10 +52,10 @@ from miles_core.train.losses import (
     entropy_from_logits,
     kl_penalty,
     mismatch_metrics,
-    ppo_clip_loss,
     reduce_tokens,
     reducer_denominator,
     rollout_correction,
+    setup_policy_loss,
     token_logprobs,
 )
 from miles_core.types import Sample
@@ -82,6 +85,7 @@ class TorchTrainer:
 
         torch_dt = torch_dtype(dtype, "TorchTrainer")
         self.cfg = train_cfg
+        self.policy_loss = setup_policy_loss(train_cfg.loss)
         self.weight_store = weight_store
         self.storage_options = storage_options or {}
         self.device = torch.device(train_cfg.backend.device)
@@ -205,7 +209,7 @@ class TorchTrainer:
         return out
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
-        denom = reducer_denominator(minibatch.loss_mask, self.cfg.loss_reducer)
+        denom = reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
         if denom == 0:  # every sample in it is failed or fully masked: nothing to learn from
             return None
         sums: dict[str, float] = defaultdict(float)
@@ -225,21 +229,23 @@ class TorchTrainer:
 
     def _micro_loss(self, mb: TokenBatch, denom: float, temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the minibatch loss (divided by the minibatch's ``denom``)."""
-        cfg, reducer = self.cfg, self.cfg.loss_reducer
+        cfg, reducer = self.cfg, self.policy_loss.reducer
         logits = self._logits(self.model, mb, temperature)
         logprobs = token_logprobs(logits, mb.labels)
-        pg_loss, metrics = ppo_clip_loss(
-            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.eps_clip, cfg.clip_high, reducer, denom,
-            weights=mb.is_weights,
+        pg_loss, metrics = self.policy_loss.fn(
+            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, denom=denom, weights=mb.is_weights
         )
         loss = pg_loss
         kl = torch.zeros(())
         if self.ref_model is not None:
             kl = reduce_tokens(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_type), mb.loss_mask, reducer, denom)
             loss = loss + cfg.kl_coef * kl
-        with torch.no_grad():
-            metrics["entropy"] = reduce_tokens(entropy_from_logits(logits), mb.loss_mask, reducer, denom)
-        metrics.update(loss=loss.detach(), pg_loss=pg_loss.detach(), kl=kl.detach())
+        # the entropy keeps its graph only when it is part of the loss
+        with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = reduce_tokens(entropy_from_logits(logits), mb.loss_mask, reducer, denom)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * entropy
+        metrics.update(loss=loss.detach(), pg_loss=pg_loss.detach(), kl=kl.detach(), entropy=entropy.detach())
         return loss, metrics
 
     # ------------------------------------------------------------------------- weights and state

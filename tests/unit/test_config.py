@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from miles_core.cli import FLAGS, build_parser, resolve_config
-from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
+from miles_core.config import (
+    DrGRPOLossConfig,
+    FileDataConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    ReinforcePPLossConfig,
+    RunConfig,
+    ToyDataConfig,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,6 +62,38 @@ def test_flags_set_their_fields():
     assert cfg.train.old_logprobs == "rollout"
     assert cfg.rollout.rollout_shuffle is False
     assert cfg.rollout.rollout_stop == ["\n", "###"]
+
+
+def test_loss_flags_set_the_loss_union():
+    # today's flags keep working and land in the default (grpo) variant
+    cfg = _cfg("--eps-clip", "0.1", "--eps-clip-high", "0.28", "--eps-clip-c", "3", "--disable-grpo-std-normalization",
+               "--entropy-coef", "0.01", "--kl-loss-coef", "0.02")
+    loss = cfg.train.loss
+    assert isinstance(loss, GRPOLossConfig) and (loss.eps_clip, loss.clip_high, loss.eps_clip_c) == (0.1, 0.28, 3.0)
+    assert loss.advantage_std_normalize is False
+    assert cfg.train.entropy_coef == 0.01 and cfg.train.kl_coef == 0.02
+    # --advantage-estimator picks the variant; the others' flags apply to it
+    cfg = _cfg("--advantage-estimator", "gspo", "--eps-clip", "0.001")
+    assert isinstance(cfg.train.loss, GSPOLossConfig) and cfg.train.loss.eps_clip == 0.001
+    assert cfg.train.loss.clip_high == 4e-4  # the GSPO paper's default upper range stays
+    assert isinstance(_cfg("--advantage-estimator", "reinforce_plus_plus").train.loss, ReinforcePPLossConfig)
+    # dr_grpo's constant length is the rollout's generation budget unless set
+    cfg = _cfg("--advantage-estimator", "dr_grpo", "--rollout-max-response-len", "12")
+    assert isinstance(cfg.train.loss, DrGRPOLossConfig) and cfg.train.loss.max_len == 12
+    assert _cfg("--advantage-estimator", "dr_grpo", "--set", "train.loss.max_len=64").train.loss.max_len == 64
+
+
+def test_loss_config_is_validated():
+    with pytest.raises(ValueError, match="eps_clip_c"):
+        _cfg("--eps-clip-c", "1.0")  # the dual clip bound must be above 1
+    with pytest.raises(ValueError, match="ppo"):
+        _cfg("--advantage-estimator", "ppo")
+    with pytest.raises(ValueError, match="advantage_std_normalize"):
+        _cfg("--advantage-estimator", "dr_grpo", "--disable-grpo-std-normalization")  # dr_grpo has no std
+    with pytest.raises(ValueError, match="entropy_coef"):
+        RunConfig.model_validate({"train": {"entropy_coef": -0.1}})
+    # a [train.loss] table without a type is the default variant
+    assert RunConfig.model_validate({"train": {"loss": {"eps_clip": 0.3}}}).train.loss == GRPOLossConfig(eps_clip=0.3)
 
 
 def test_prompt_data_flags_make_a_file_dataset_and_eval_inherits_keys():

@@ -7,9 +7,18 @@ import math
 import pytest
 import torch
 
-from miles_core.train.advantages import grpo_advantages, sample_advantages
+from miles_core.config import DrGRPOLossConfig, GRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig
+from miles_core.train.advantages import (
+    compute_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    sample_advantages,
+)
 from miles_core.train.losses import (
+    clipped_surrogate,
+    dr_grpo_loss,
     entropy_from_logits,
+    gspo_loss,
     kl_penalty,
     masked_is_weights,
     mismatch_metrics,
@@ -17,6 +26,8 @@ from miles_core.train.losses import (
     reduce_tokens,
     reducer_denominator,
     rollout_correction,
+    sequence_log_ratio,
+    setup_policy_loss,
     token_logprobs,
     truncated_is_weights,
 )
@@ -76,6 +87,40 @@ def test_sample_advantages_flatten_groups_in_order():
     # group 0: [1, 0] -> [0.5, -0.5]; group 1: [None, 2, 4] -> mean 3 -> [0, -1, 1]
     adv = sample_advantages([group(0, [1.0, 0.0]), group(1, [None, 2.0, 4.0])], normalize_std=False)
     assert adv == [0.5, -0.5, 0.0, -1.0, 1.0]
+
+
+def _group(index, rewards, lengths=None):
+    lengths = lengths or [1] * len(rewards)
+    return Group([
+        Sample("p", [2], [5] * n, reward=r, loss_mask=[1] * n, group_index=index, sample_index=i)
+        for i, (r, n) in enumerate(zip(rewards, lengths))
+    ])
+
+
+def test_reinforce_pp_advantages_whiten_over_the_batch_tokens_by_hand():
+    # scored samples with tokens: reward 1 x 1 token, reward 0 x 3 tokens (the 0-token one and the
+    # None one stay out of the statistics): mean = (1 + 0 + 0 + 0) / 4 = 0.25
+    # var = (1 (1 - 0.25)^2 + 3 (0 - 0.25)^2) / 4 = (0.5625 + 0.1875) / 4 = 0.1875, std = 0.4330127
+    # A = [0.75 / 0.4330127, -0.25 / 0.4330127, 0 (None), 0.75 / 0.4330127] = [1.7320508, -0.5773503, 0, 1.7320508]
+    adv = reinforce_pp_advantages([1.0, 0.0, None, 1.0], [1, 3, 2, 0])
+    assert adv == [approx(1.7320508, abs=1e-5), approx(-0.5773503, abs=1e-5), 0.0, approx(1.7320508, abs=1e-5)]
+    assert reinforce_pp_advantages([None, 1.0], [2, 0]) == [0.0, 0.0]  # no scored token: all zero
+
+
+def test_compute_advantages_picks_the_estimator_of_the_loss_type():
+    groups = [_group(0, [1.0, 0.0]), _group(1, [3.0, 3.0], lengths=[1, 3])]
+    # grpo and gspo: group 0 [1, 0] -> mean 0.5, std 0.5 -> [1, -1]; group 1 all equal -> [0, 0]
+    for cfg in (GRPOLossConfig(), GSPOLossConfig()):
+        assert compute_advantages(cfg, groups) == [approx(1.0, abs=1e-5), approx(-1.0, abs=1e-5), 0.0, 0.0]
+    # grpo without std and dr_grpo: only centred -> [0.5, -0.5, 0, 0]
+    assert compute_advantages(GRPOLossConfig(advantage_std_normalize=False), groups) == [0.5, -0.5, 0.0, 0.0]
+    assert compute_advantages(DrGRPOLossConfig(), groups) == [0.5, -0.5, 0.0, 0.0]
+    # reinforce++: token-weighted over the whole batch: rewards 1, 0, 3 x 1 token, 3 x 3 tokens
+    # mean = (1 + 0 + 3 + 9) / 6 = 13/6; var = ((1-13/6)^2 + (13/6)^2 + 4 (3-13/6)^2) / 6
+    #     = (49/36 + 169/36 + 100/36) / 6 = 318/216 = 1.4722222, std = 1.2133516
+    mean, std = 13 / 6, math.sqrt(318 / 216)
+    expected = [(r - mean) / std for r in (1.0, 0.0, 3.0, 3.0)]
+    assert compute_advantages(ReinforcePPLossConfig(), groups) == [approx(a, abs=1e-5) for a in expected]
 
 
 # ------------------------------------------------------------------------------------- logprobs
@@ -378,3 +423,157 @@ def test_mismatch_kl_is_zero_when_logprobs_agree_and_positive_otherwise():
     for delta, k3 in ((0.1, 0.005171), (-0.1, 0.004837)):
         m = mismatch_metrics(lp + torch.tensor([[delta, 0.0, 0.0]]), lp, mask)
         assert m["mismatch_kl"].item() == approx(k3 / 3, abs=1e-6) and m["mismatch_kl"].item() > 0
+
+
+# ----------------------------------------------------------------------------- loss variants
+
+LOSS_CONFIGS = {
+    "grpo": GRPOLossConfig(),
+    "grpo_seq_mean": GRPOLossConfig(reducer="seq_mean"),
+    "grpo_dual_clip": GRPOLossConfig(eps_clip_c=3.0),
+    "dr_grpo": DrGRPOLossConfig(max_len=4),
+    "gspo": GSPOLossConfig(eps_clip=0.2, eps_clip_high=0.2),
+    "gspo_dual_clip": GSPOLossConfig(eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0),
+    "reinforce_plus_plus": ReinforcePPLossConfig(),
+}
+RAGGED = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+def _run(cfg, log_ratio, advantages, mask=RAGGED, denom=None):
+    """(loss, metrics, d loss / d logprobs) of the variant ``cfg`` at the given log ratios."""
+    logprobs = log_ratio.clone().requires_grad_(True)
+    loss_fn = setup_policy_loss(cfg)
+    loss, metrics = loss_fn.fn(logprobs, torch.zeros_like(log_ratio), advantages, mask, denom=denom)
+    loss.backward()
+    return loss, metrics, logprobs.grad
+
+
+def test_clipped_surrogate_and_dual_clip_by_hand():
+    ratio = torch.tensor([E, E, E, 0.5])
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    # A = +1, r = e: max(-e, -1.2) = -1.2 (clipped); A = -1, r = e: max(e, 1.2) = e (unbounded, not clipped);
+    # A = -1, r = 0.5: max(0.5, 0.8) = 0.8 (clipped)
+    loss, clipped = clipped_surrogate(ratio, adv, 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, E, E, 0.8]))
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
+    # dual clip c = 2: where A < 0, min(l, 2 |A|): e -> 2 (in force), 0.8 stays; A > 0 untouched
+    loss, clipped = clipped_surrogate(ratio, adv, 0.2, 0.2, eps_clip_c=2.0)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 2.0, 2.0, 0.8]))
+    assert clipped.tolist() == [1.0, 1.0, 1.0, 1.0]
+    # c = 3 > e: the dual clip is not in force
+    loss, _ = clipped_surrogate(ratio, adv, 0.2, 0.2, eps_clip_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, E, E, 0.8]))
+
+
+def test_dr_grpo_loss_by_hand():
+    # ratio 1 everywhere, so each token's loss is -A: row 0 (A = 1) two tokens -> -2; row 1 (A = -0.5)
+    # one token -> 0.5; row 2 (A = 0) -> 0. Token sums -1.5 over S = 3 sequences and max_len 4:
+    # -1.5 / (3 * 4) = -0.125 (token_mean would be -1.5 / 6 = -0.25: the 1/|o| normalisation is gone)
+    adv = torch.tensor([1.0, -0.5, 0.0])
+    zeros = torch.zeros(3, 3)
+    loss, metrics = dr_grpo_loss(zeros, zeros, adv, RAGGED, max_len=4)
+    assert loss.item() == approx(-0.125)
+    assert metrics["ratio_mean"].item() == approx(6 / 12)  # 6 trained tokens of a 3 x 4 token budget
+    # the sequence length counts: one more trained token in row 0 adds -1 / 12
+    longer = RAGGED.clone()
+    longer[0, 2] = 1.0
+    assert dr_grpo_loss(zeros, zeros, adv, longer, max_len=4)[0].item() == approx(-2.5 / 12)
+
+
+def test_gspo_loss_by_hand():
+    # row 0: trained log ratios 0.2, 0.4 (the masked 5.0 never counts) -> mean 0.3, s = e^0.3 = 1.3498588
+    #   A = 1: max(-1.3498588, -1.2) = -1.2 (clipped)
+    # row 1: log ratio -0.1 -> s = e^-0.1 = 0.9048374, A = 1: -0.9048374 (not clipped)
+    # loss = mean over the two sequences = (-1.2 - 0.9048374) / 2 = -1.0524187; clipfrac = 1/2
+    log_ratio = torch.tensor([[0.2, 0.4, 5.0], [-0.1, 0.0, 0.0]])
+    mask = RAGGED[:2]
+    torch.testing.assert_close(sequence_log_ratio(log_ratio, torch.zeros(2, 3), mask), torch.tensor([0.3, -0.1]))
+    logprobs = log_ratio.clone().requires_grad_(True)
+    loss, metrics = gspo_loss(logprobs, torch.zeros(2, 3), torch.ones(2), mask, eps_clip=0.2, eps_clip_high=0.2)
+    assert loss.item() == approx(-1.0524187, abs=1e-6)
+    assert metrics["clipfrac"].item() == approx(0.5)
+    loss.backward()
+    # row 0 is clipped: no gradient; row 1: d/dlogp (-s / 2) = -s / (2 * 1 token) = -0.4524187
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, 0.0], [-0.4524187, 0.0, 0.0]]))
+
+
+def test_gspo_ratio_is_per_sequence():
+    # log ratios 0.1 and -0.1 average to 0: s = 1, loss = -A = -1 exactly, and both tokens get the
+    # same gradient -s / (2 tokens) = -0.5. The token-level PPO loss of the same numbers differs:
+    # mean(-e^0.1, -e^-0.1) = -(1.1051709 + 0.9048374) / 2 = -1.0050042
+    log_ratio = torch.tensor([[0.1, -0.1]])
+    mask = torch.ones(1, 2)
+    logprobs = log_ratio.clone().requires_grad_(True)
+    loss, _ = gspo_loss(logprobs, torch.zeros(1, 2), torch.ones(1), mask, eps_clip=0.2, eps_clip_high=0.2)
+    loss.backward()
+    assert loss.item() == approx(-1.0)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, -0.5]]))
+    ppo, _ = ppo_clip_loss(log_ratio, torch.zeros(1, 2), torch.ones(1), mask)
+    assert ppo.item() == approx(-1.0050042, abs=1e-6)
+    # swapping the tokens' log ratios within the sequence changes nothing
+    swapped, _ = gspo_loss(log_ratio.flip(-1), torch.zeros(1, 2), torch.ones(1), mask, eps_clip=0.2, eps_clip_high=0.2)
+    assert swapped.item() == approx(loss.item())
+
+
+@pytest.mark.parametrize("name", LOSS_CONFIGS)
+def test_zero_advantage_gives_zero_policy_gradient_for_every_variant(name):
+    torch.manual_seed(0)
+    loss, _, grad = _run(LOSS_CONFIGS[name], 0.3 * torch.randn(3, 3), torch.zeros(3))
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("name", LOSS_CONFIGS)
+def test_clipping_bounds_the_ratio_contribution_for_every_variant(name):
+    # every trained log ratio is 3 (r = 20.1), A = +1: each sequence is clipped at 1 + eps_high = 1.2,
+    # so each token's / sequence's loss is -1.2 and the gradient is 0; without a clip it would be -20.1
+    cfg = LOSS_CONFIGS[name]
+    loss, metrics, grad = _run(cfg, torch.full((3, 3), 3.0), torch.ones(3))
+    assert torch.count_nonzero(grad) == 0
+    # reducers: token/seq means give -1.2; dr_grpo: token sums -1.2 * 6 tokens / (3 seqs * max_len 4) = -0.6
+    expected = -1.2 * 6 / 12 if cfg.type == "dr_grpo" else -1.2
+    assert loss.item() == approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n, c in LOSS_CONFIGS.items() if c.eps_clip_c is not None])
+def test_dual_clip_bounds_negative_advantage_losses(name):
+    # A = -1 and r = e^3 = 20.1: the plain PPO loss is 20.1 per token (unbounded in r); the dual clip
+    # caps it at c |A| = 3, with no gradient
+    cfg = LOSS_CONFIGS[name]
+    loss, metrics, grad = _run(cfg, torch.full((3, 3), 3.0), -torch.ones(3))
+    assert loss.item() == approx(3.0, abs=1e-6)
+    assert metrics["clipfrac"].item() == approx(1.0)
+    assert torch.count_nonzero(grad) == 0
+    unbounded, _, _ = _run(cfg.model_copy(update={"eps_clip_c": None}), torch.full((3, 3), 3.0), -torch.ones(3))
+    assert unbounded.item() == approx(math.exp(3.0), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", LOSS_CONFIGS)
+def test_every_variant_adds_up_over_micro_batches(name):
+    # each row alone, divided by the whole minibatch's denominator, sums to the minibatch loss and metrics
+    torch.manual_seed(1)
+    cfg = LOSS_CONFIGS[name]
+    log_ratio, adv = 0.3 * torch.randn(3, 3), torch.tensor([1.0, -0.5, 2.0])
+    denom = reducer_denominator(RAGGED, setup_policy_loss(cfg).reducer)
+    whole, whole_metrics, whole_grad = _run(cfg, log_ratio, adv)
+    grads, total, totals = [], 0.0, dict.fromkeys(whole_metrics, 0.0)
+    for i in range(3):
+        loss, metrics, grad = _run(cfg, log_ratio[i : i + 1], adv[i : i + 1], RAGGED[i : i + 1], denom)
+        total += loss.item()
+        grads.append(grad)
+        for k, v in metrics.items():
+            totals[k] += v.item()
+    assert total == approx(whole.item(), abs=1e-6)
+    torch.testing.assert_close(torch.cat(grads), whole_grad)
+    for k, v in whole_metrics.items():
+        assert totals[k] == approx(v.item(), abs=1e-6), k
+
+
+def test_unknown_loss_type_is_named():
+    with pytest.raises(ValueError, match="'ppo'"):
+        setup_policy_loss(GRPOLossConfig().model_construct(type="ppo"))
+
+
+def test_dr_grpo_without_max_len_is_refused():
+    with pytest.raises(ValueError, match="max_len"):
+        setup_policy_loss(DrGRPOLossConfig())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from miles_core.config import TrainConfig
+from miles_core.config import DrGRPOLossConfig, GRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig, TrainConfig
 from miles_core.models.tiny import build_tokenizer
 from miles_core.train import setup_trainer
 from miles_core.train.base import Trainer, TrainBatch
@@ -72,8 +72,8 @@ def _single_sequence_logprobs(model, s, temperature):
     return token_logprobs(logits[positions], torch.tensor(s.response_ids), temperature).tolist()
 
 
-def make_batch(rewards, temperature=1.0, logprob_model=None):
-    return TrainBatch.from_groups(make_groups(rewards, logprob_model, temperature), temperature=temperature)
+def make_batch(rewards, temperature=1.0, logprob_model=None, loss=None):
+    return TrainBatch.from_groups(make_groups(rewards, logprob_model, temperature), temperature=temperature, loss=loss)
 
 
 def make_trainer(model_dir, tmp_path, **cfg):
@@ -136,16 +136,40 @@ def test_one_step_changes_every_parameter(tiny_model_dir, tmp_path):
     assert metrics["entropy"] > 0
 
 
-@pytest.mark.parametrize("reducer", ["token_mean", "seq_mean"])
-def test_micro_batch_size_does_not_change_the_update(tiny_model_dir, tmp_path, reducer):
-    batch = make_batch(REWARDS_A)
-    one = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=1, loss_reducer=reducer, clip_grad=0.0)
-    eight = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, loss_reducer=reducer, clip_grad=0.0)
+LOSSES = {
+    "grpo_token_mean": dict(loss=GRPOLossConfig(reducer="token_mean")),
+    "grpo_seq_mean": dict(loss=GRPOLossConfig(reducer="seq_mean")),
+    "grpo_dual_clip_entropy_kl": dict(loss=GRPOLossConfig(eps_clip_c=3.0), entropy_coef=0.01, kl_coef=0.1),
+    "dr_grpo": dict(loss=DrGRPOLossConfig(max_len=6)),
+    "gspo": dict(loss=GSPOLossConfig()),
+    "reinforce_plus_plus": dict(loss=ReinforcePPLossConfig(reducer="seq_mean")),
+}
+
+
+@pytest.mark.parametrize("variant", LOSSES)
+def test_micro_batch_size_does_not_change_the_update(tiny_model_dir, tmp_path, variant):
+    cfg = LOSSES[variant]
+    batch = make_batch(REWARDS_A, loss=cfg["loss"])
+    one = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=1, clip_grad=0.0, **cfg)
+    eight = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, clip_grad=0.0, **cfg)
     m1, m8 = one.step(batch), eight.step(batch)
     # grad_norm is scale-sensitive (Adam's first step nearly is not), so it catches a wrong normaliser
-    for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "kl"):
         assert m1[key] == pytest.approx(m8[key], abs=1e-5), key
+    assert m1["grad_norm"] > 0
     assert_same_params(one, eight, atol=1e-5)
+
+
+def test_entropy_bonus_alone_trains_when_advantages_are_zero(tiny_model_dir, tmp_path):
+    # every reward equal: GRPO advantages are all 0, so the policy gradient is 0 and only the
+    # entropy bonus moves the weights; loss = 0 - 0.1 * H
+    flat = [[1.0] * 4, [1.0] * 4]
+    plain = make_trainer(tiny_model_dir, tmp_path)
+    bonus = make_trainer(tiny_model_dir, tmp_path, entropy_coef=0.1)
+    m_plain, m_bonus = plain.step(make_batch(flat)), bonus.step(make_batch(flat))
+    assert m_plain["grad_norm"] == 0.0
+    assert m_bonus["grad_norm"] > 0 and m_bonus["pg_loss"] == 0.0
+    assert m_bonus["loss"] == pytest.approx(-0.1 * m_bonus["entropy"], abs=1e-6)
 
 
 def test_recompute_and_rollout_old_logprobs_agree_when_weights_agree(tiny_model_dir, tmp_path):
