@@ -14,6 +14,7 @@ Parts:
 - ``TrainConfig``: batch sizes, optimizer, loss union (``LossConfig``: grpo, dr_grpo, gspo,
   reinforce_plus_plus), KL and entropy terms, rollout correction, trainer backend union.
 - ``EvalConfig``: held-out evaluation.
+- ``LoraConfig``: train a LoRA adapter (PEFT) instead of every weight of the policy.
 - ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
 - ``StorageConfig``: where the run's samples, weights and metrics go.
 
@@ -409,7 +410,7 @@ class TrainConfig(_Base):
     tis_clip_low: float = Field(default=0.0, ge=0)
     """Lower bound of the importance ratio (0: no lower bound)."""
     seed: int = 0
-    """Seed of the trainer (shuffling of micro-batches, dropout)."""
+    """Seed of the trainer (shuffling of micro-batches, dropout, the LoRA adapter's initial A)."""
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -504,6 +505,43 @@ class StorageConfig(_Base):
     ``none`` cost less CPU on fast local disks. Readers decode any of them."""
 
 
+# ----------------------------------------------------------------------------------------- lora
+
+
+class LoraConfig(_Base):
+    """Train a LoRA adapter (PEFT) on the policy instead of its full weights.
+
+    The base weights stay frozen; each target module gets ``W + (alpha / rank) * B @ A`` with ``B``
+    initialised to zero (PEFT's default), so version 0 is the base policy. The trainer publishes
+    the adapter in PEFT's folder format."""
+
+    rank: int = Field(ge=1)
+    """LoRA rank r: the inner dimension of ``B @ A``."""
+    alpha: float | None = Field(default=None, gt=0)
+    """LoRA alpha; the update is scaled by ``alpha / rank`` (None: ``2 * rank``, a scale of 2)."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (0: none; the old-logprob and reference passes
+    never use it)."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Names (suffixes) of the linear modules that get an adapter."""
+    adapter_name: str = "policy"
+    """Name of the trained adapter (PEFT's adapter name, and the name engines serve it under)."""
+
+    @field_validator("adapter_name")
+    @classmethod
+    def _check_adapter_name(cls, name: str) -> str:
+        # PEFT finds adapter weights by name inside "lora_A.<name>": a name inside "lora_" itself
+        # can be confused with that prefix; "__base__" is the engines' name for "no adapter"
+        if not name or name in "lora_" or name == "__base__":
+            raise ValueError(f"adapter_name {name!r} is empty, reserved or part of PEFT's 'lora_' prefix; pick another")
+        return name
+
+    @property
+    def lora_alpha(self) -> float:
+        """``alpha``, or ``2 * rank`` when unset."""
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 # ------------------------------------------------------------------------------------------ run
 
 
@@ -526,6 +564,8 @@ class RunConfig(_Base):
     async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of the full policy (None: full fine-tuning)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)

@@ -8,7 +8,8 @@
 - ``base``: ``TrainBatch`` and the ``Trainer`` protocol.
 - ``batch``: samples -> right-padded tensors aligned for next-token prediction.
 - ``torch_trainer``: ``TorchTrainer`` (one process, AdamW, gradient accumulation).
-- ``setup_trainer(train_cfg, model_dir, weight_store, dtype)``: the trainer ``train_cfg.backend`` names.
+- ``setup_trainer(train_cfg, model_dir, weight_store, dtype, lora)``: the trainer ``train_cfg.backend``
+  names (``lora``: a ``LoraConfig`` to train an adapter instead of the full policy).
 
 Importing this package does not import torch; the backends are imported on first use.
 """
@@ -19,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from miles_core.config import TrainConfig
+    from miles_core.config import LoraConfig, TrainConfig
     from miles_core.train.base import Trainer
 
 # backend ``type`` -> "module:class", imported on first use
@@ -27,9 +28,15 @@ _BACKENDS = {"torch": "miles_core.train.torch_trainer:TorchTrainer"}
 
 
 def setup_trainer(
-    train_cfg: TrainConfig, model_dir: str, weight_store: Any, dtype: str = "float32", **kwargs: Any
+    train_cfg: TrainConfig,
+    model_dir: str,
+    weight_store: Any,
+    dtype: str = "float32",
+    lora: LoraConfig | None = None,
+    **kwargs: Any,
 ) -> Trainer:
-    """Build the trainer named by ``train_cfg.backend.type``; ``kwargs`` go to its constructor."""
+    """Build the trainer named by ``train_cfg.backend.type``; ``lora`` (None: full fine-tuning) and
+    ``kwargs`` go to its constructor."""
     module_name, class_name = _BACKENDS[train_cfg.backend.type].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(model_dir, train_cfg, weight_store, dtype=dtype, **kwargs)
+    return cls(model_dir, train_cfg, weight_store, dtype=dtype, lora=lora, **kwargs)

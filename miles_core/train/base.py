@@ -4,7 +4,7 @@
   estimator of the loss config), and the rollout
   temperature (the trainer computes logprobs of ``logits / temperature``, as the engine did).
 - ``Trainer``: ``step(batch) -> metrics``; ``export(version) -> uri`` publishes the policy weights
-  to the run's WeightStore; ``state_dict()`` / ``load_state_dict()`` are the full training state
+  (with LoRA: the adapter, in PEFT's folder format) to the run's WeightStore; ``state_dict()`` / ``load_state_dict()`` are the full training state
   (weights, optimizer, version, RNG); ``save(uri)`` / ``load(uri)`` write and read it over fsspec.
 
 Version v is the policy after v optimizer steps (the same numbering as the WeightStore).

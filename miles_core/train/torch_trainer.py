@@ -27,6 +27,14 @@ Loss = policy loss + kl_coef * KL(pi || pi_ref) - entropy_coef * H, all reduced 
 policy loss is the one ``train.loss.type`` names (``losses.setup_policy_loss``: grpo, dr_grpo, gspo,
 reinforce_plus_plus); the advantages it trains on come with the batch (``TrainBatch.from_groups``). Logprobs are those of
 ``logits / temperature`` (raw logits when the temperature is 0), as the rollout engines report them.
+
+LoRA (``lora``: a ``LoraConfig``): the policy is the base wrapped by ``peft.get_peft_model`` with one
+adapter (B initialised to zero, so version 0 is the base) and the optimizer holds only the adapter's
+parameters. The reference policy for the KL term is the base itself, the adapter disabled for that
+forward pass, rather than a second copy of the model. ``export`` publishes the adapter in PEFT's
+folder format (``WeightStore.publish_folder``); ``weights()`` is the adapter's state dict and
+``merge()`` the full merged state dict; checkpoints hold the adapter and the optimizer state (the
+frozen base comes from ``model_dir`` again).
 """
 
 from __future__ import annotations
@@ -35,10 +43,12 @@ import copy
 import io
 import math
 import posixpath
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import fsspec
 import torch
@@ -60,6 +70,9 @@ from miles_core.train.losses import (
 )
 from miles_core.types import Sample
 
+if TYPE_CHECKING:
+    from miles_core.config import LoraConfig
+
 _AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_dev", "approx_kl", "grad_norm")
 # averaged over the optimizer steps after the first one of a batch (its off-policy steps)
 _OFF_POLICY = {"offpolicy_ratio_dev": "ratio_dev", "offpolicy_clipfrac": "clipfrac"}
@@ -69,6 +82,9 @@ class WeightPublisher(Protocol):
     """The part of ``storage.WeightStore`` the trainer uses."""
 
     def publish(self, version: int, state_dict: dict[str, Tensor], metadata: dict | None = None) -> str: ...
+
+    def publish_folder(self, version: int, local_dir: str | Path) -> str:
+        """Publish a local folder's files (a LoRA adapter); only used with LoRA."""
 
 
 class TorchTrainer:
@@ -80,6 +96,7 @@ class TorchTrainer:
         dtype: str = "float32",
         initial_version: int = 0,
         storage_options: dict[str, Any] | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -89,11 +106,14 @@ class TorchTrainer:
         self.weight_store = weight_store
         self.storage_options = storage_options or {}
         self.device = torch.device(train_cfg.backend.device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dt).to(self.device)
+        self.lora = lora
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dt)
+        self.model = (model if lora is None else _wrap_lora(model, lora, train_cfg.seed)).to(self.device)
         self.model.train()
-        # The reference policy is the starting weights; kept only when the KL term is on.
+        # The reference policy is the starting weights; a frozen copy is kept only when the KL term
+        # is on and there is no adapter to switch off (with LoRA the base itself is the reference).
         self.ref_model = None
-        if train_cfg.kl_coef > 0:
+        if train_cfg.kl_coef > 0 and lora is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -160,9 +180,19 @@ class TorchTrainer:
                 batch.samples, "train.old_logprobs='rollout'", "use old_logprobs='recompute' or an engine that reports them"
             )
             tokens.old_logprobs = tokens.rollout_logprobs
-        if self.ref_model is not None:
-            tokens.ref_logprobs = self._forward_logprobs(self.ref_model, tokens, batch.temperature)
+        if self.cfg.kl_coef > 0:
+            with self._reference() as ref:
+                tokens.ref_logprobs = self._forward_logprobs(ref, tokens, batch.temperature)
         return tokens, metrics
+
+    @contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy: the frozen copy, or with LoRA the model with its adapter off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        with self.model.disable_adapter():
+            yield self.model
 
     def _correct_for_rollout(self, samples: list[Sample], tokens: TokenBatch) -> dict[str, float]:
         """Mismatch metrics between the recomputed and the rollout logprobs, over the trained tokens
@@ -237,7 +267,7 @@ class TorchTrainer:
         )
         loss = pg_loss
         kl = torch.zeros(())
-        if self.ref_model is not None:
+        if mb.ref_logprobs is not None:
             kl = reduce_tokens(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_type), mb.loss_mask, reducer, denom)
             loss = loss + cfg.kl_coef * kl
         # the entropy keeps its graph only when it is part of the loss
@@ -251,18 +281,44 @@ class TorchTrainer:
     # ------------------------------------------------------------------------- weights and state
 
     def weights(self) -> dict[str, Tensor]:
-        """The policy's state dict on CPU, every tensor its own contiguous copy.
+        """What ``export`` publishes, on CPU, every tensor its own contiguous copy: the policy's state
+        dict, or with LoRA the adapter's state dict (PEFT's names, as in ``adapter_model.safetensors``;
+        ``merge()`` gives the full weights).
 
         Tied parameters (``lm_head.weight`` is ``embed_tokens.weight``) become separate copies, which
         safetensors accepts and ``load_state_dict`` loads back into the tied model."""
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.state_dict().items()}
+        if self.lora is None:
+            state = self.model.state_dict()
+        else:
+            from peft import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(self.model, adapter_name=self.lora.adapter_name)
+        return _cpu_copies(state)
+
+    def merge(self) -> dict[str, Tensor]:
+        """The full policy state dict (the base model's names): with LoRA, base + adapter merged,
+        computed on a copy so the trained model keeps its separate adapter; without, ``weights()``."""
+        if self.lora is None:
+            return self.weights()
+        merged = copy.deepcopy(self.model).merge_and_unload()
+        return _cpu_copies(merged.state_dict())
 
     def export(self, version: int) -> str:
-        return self.weight_store.publish(version, self.weights())
+        """Publish the policy as ``version``: the full weights, or with LoRA the adapter folder
+        (``adapter_config.json`` + ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``
+        and the engines' ``load_adapter``). Returns the version's URI."""
+        if self.lora is None:
+            return self.weight_store.publish(version, self.weights())
+        name = self.lora.adapter_name
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.save_pretrained(tmp, selected_adapters=[name])
+            # PEFT writes an adapter not named "default" into a subfolder of that name
+            folder = Path(tmp) / name if name != "default" else Path(tmp)
+            return self.weight_store.publish_folder(version, folder)
 
     def state_dict(self) -> dict[str, Any]:
         state = {
-            "model": self.model.state_dict(),
+            "model": self._model_state(),
             "optimizer": self.optimizer.state_dict(),
             "version": self._version,
             "shuffle_rng": self._generator.get_state(),
@@ -272,8 +328,29 @@ class TorchTrainer:
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
 
+    def _model_state(self) -> dict[str, Tensor]:
+        """The trained weights: the whole model, or with LoRA the adapter's parameters only (the
+        base is frozen and loads from ``model_dir``)."""
+        if self.lora is None:
+            return self.model.state_dict()
+        return {k: p.detach() for k, p in self.model.named_parameters() if p.requires_grad}
+
+    def _load_model_state(self, weights: dict[str, Tensor]) -> None:
+        if self.lora is None:
+            self.model.load_state_dict(weights)
+            return
+        expected = self._model_state().keys()
+        missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match this trainer's LoRA adapter {self.lora.adapter_name!r}: "
+                f"missing {_few(missing)}, unexpected {_few(unexpected)} (was it written without LoRA, "
+                "or with other target modules or adapter name?)"
+            )
+        self.model.load_state_dict(weights, strict=False)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        self._load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._version = int(state["version"])
         self._generator.set_state(state["shuffle_rng"].cpu())
@@ -300,6 +377,36 @@ class TorchTrainer:
         with fs.open(path, "rb") as f:
             data = f.read()
         self.load_state_dict(torch.load(io.BytesIO(data), map_location=self.device, weights_only=True))
+
+
+def _wrap_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:
+    """``model`` as a PEFT model with one LoRA adapter (B = 0: the same function as ``model``);
+    only the adapter's parameters require grad. A's random init is drawn from ``seed`` (on CPU,
+    leaving the global RNG as it was), so two trainers of one config start from the same adapter."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError("LoRA training needs peft: pip install peft") from e
+    peft_cfg = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, peft_cfg, adapter_name=lora.adapter_name)
+
+
+def _cpu_copies(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
 
 
 def _mean(values: Iterable[float]) -> float:
