@@ -420,6 +420,18 @@ class TrainConfig(_Base):
             return {**value, "type": "grpo"}
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_loss_fields(cls, data: Any) -> Any:
+        """Configs written before the loss family had these under ``[train]``: say where they went."""
+        moved = {"eps_clip": "eps_clip", "eps_clip_high": "eps_clip_high", "loss_reducer": "reducer",
+                 "advantage_std_normalize": "advantage_std_normalize"}
+        found = sorted(k for k in moved if isinstance(data, dict) and k in data)
+        if found:
+            where = ", ".join(f"train.{k} -> train.loss.{moved[k]}" for k in found)
+            raise ValueError(f"these settings moved to the [train.loss] table: {where}")
+        return data
+
     @model_validator(mode="after")
     def _check_rollout_correction(self) -> TrainConfig:
         if self.tis_clip_low >= self.tis_clip:

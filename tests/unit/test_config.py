@@ -187,3 +187,11 @@ def test_config_reference_is_current():
 
     doc = (REPO / "docs" / "config.md").read_text()
     assert doc == config_markdown(), "docs/config.md is stale: run `miles config-doc > docs/config.md`"
+
+
+def test_loss_settings_of_older_configs_say_where_they_moved(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[train]\neps_clip = 0.2\nloss_reducer = 'token_mean'\n")
+    with pytest.raises(ValueError, match=r"(?s)old.toml.*moved to the \[train.loss\] table: train.eps_clip -> "
+                                         r"train.loss.eps_clip, train.loss_reducer -> train.loss.reducer"):
+        RunConfig.from_toml(path)
