@@ -291,11 +291,14 @@ class StorageContract:
     def test_writer_failure_stops_later_segments_and_names_them(self, root):
         from miles_core.storage import StreamWriteError
 
+        import threading
+
         stream = SampleStream(join(root, "run"), storage_options=self.so)
-        real_write = stream._write_segment
+        real_write, all_queued = stream._write_segment, threading.Event()
 
         def flaky(offset, table):
             if offset == 1:
+                all_queued.wait(10)  # fail once every append is in, so that none of them raises
                 raise OSError("disk on fire")
             real_write(offset, table)
 
@@ -303,6 +306,7 @@ class StorageContract:
         writer = stream.writer(max_pending=4)
         for g in range(4):
             writer.append(make_samples(1, g))
+        all_queued.set()
         with pytest.raises(StreamWriteError, match=r"000000000001\.arrow.*disk on fire.*\[1, 2, 3\]") as err:
             writer.flush()
         assert err.value.lost == [1, 2, 3]
