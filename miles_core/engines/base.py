@@ -52,6 +52,8 @@ class GenerateResult:
     The trainer computes its logprobs the same way, so the two agree when weights agree."""
     finish_reason: FinishReason
     weight_version: int
+    """Version of the weights that generated it: the base weights' version, or for a request with
+    an ``adapter``, the version that adapter was loaded as."""
     rid: str | None = None
 
 
@@ -65,7 +67,8 @@ class RolloutEngine(Protocol):
     async def update_weights(self, uri: str, version: int) -> None:
         """Load the safetensors snapshot at ``uri`` (a file or folder URL) as ``version``."""
 
-    async def load_adapter(self, name: str, uri: str) -> None: ...
+    async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
+        """Load (or replace) LoRA adapter ``name`` from a PEFT folder at ``uri`` as ``version``."""
 
     async def pause(self) -> None: ...
 

@@ -31,7 +31,7 @@ LoRA: ``load_adapter(name, uri)`` loads a PEFT adapter folder under a name (or r
 adapter of that name); the model becomes a PEFT wrapper of the base and every batch passes one
 adapter name per row (``__base__`` for none), so the base and any number of adapters serve
 together, unmerged. Base weight updates still load into the base and leave the adapters as they
-are. Results carry the base weights' version.
+are. Results of adapter rows carry the version the adapter was loaded as; base rows, the base's.
 
 Seeds: a request with ``seed`` draws its uniforms from ``torch.Generator().manual_seed(seed)``
 (``max_new_tokens`` of them, up front; new token t uses uniform t), so its output does not depend
@@ -163,6 +163,7 @@ class HFEngine:
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self._generator = torch.Generator().manual_seed(seed)
         self._version = 0
+        self._adapter_versions: dict[str, int] = {}
         self.stats = EngineStats()
         self._lock = asyncio.Lock()
         """Held by the running batch and by weight loads."""
@@ -212,11 +213,12 @@ class HFEngine:
             await _in_thread(self._load_state, state)
             self._version = version
 
-    async def load_adapter(self, name: str, uri: str) -> None:
+    async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
         """Load the LoRA adapter in PEFT's folder format at ``uri`` (a local folder or any fsspec
         URL, e.g. a WeightStore version) under ``name``, or replace the adapter of that name (a new
         version of it), once in-flight generation has finished. Requests with ``adapter=name`` then
-        use it; the base and every loaded adapter serve side by side in the same batches, unmerged."""
+        use it, and their results carry ``version``; the base and every loaded adapter serve side by
+        side in the same batches, unmerged."""
         self._ensure_open()
         if not name or name == BASE_ADAPTER or name in "lora_":
             # PEFT finds adapter weights by name inside "lora_A.<name>": a name inside "lora_"
@@ -225,6 +227,7 @@ class HFEngine:
         async with self._lock:
             self._ensure_open()
             await _in_thread(self._install_adapter, name, uri)
+            self._adapter_versions[name] = version
 
     @property
     def adapters(self) -> list[str]:
@@ -333,6 +336,8 @@ class HFEngine:
         _check_sampling(req.sampling, req.rid)
 
     def _result(self, row: _Row, version: int) -> GenerateResult:
+        if row.req.adapter is not None:  # adapters load under the lock, so not during this batch
+            version = self._adapter_versions[row.req.adapter]
         text = self.tokenizer.decode(row.output_ids, skip_special_tokens=True)
         return GenerateResult(row.output_ids, text, row.logprobs, row.finish or "abort", version, row.req.rid)
 

@@ -130,6 +130,7 @@ class SGLangEngine:
         self._transport: Transport = transport if transport is not None else AiohttpTransport()
         """Used on ``self._io``'s loop only."""
         self._version = 0
+        self._adapter_versions: dict[str, int] = {}
         """Version of the weights last loaded through this engine (0: the server's own)."""
         self._io: LoopThread | None = None
         self._io_lock = threading.Lock()
@@ -182,7 +183,11 @@ class SGLangEngine:
         if not isinstance(items, list) or len(items) != len(requests):
             got = f"{len(items)} results" if isinstance(items, list) else type(items).__name__
             raise EngineHTTPError(f"{self.url}/generate", 200, f"expected {len(requests)} results, got {got}")
-        return [parse_result(item, req.rid, f"{self.url}/generate") for item, req in zip(items, requests)]
+        results = [parse_result(item, req.rid, f"{self.url}/generate") for item, req in zip(items, requests)]
+        for result, req in zip(results, requests):
+            if req.adapter is not None and req.adapter in self._adapter_versions:
+                result.weight_version = self._adapter_versions[req.adapter]
+        return results
 
     async def update_weights(self, uri: str, version: int) -> None:
         """``/update_weights_from_disk`` with ``model_path = uri``: the server loads once its
@@ -193,11 +198,14 @@ class SGLangEngine:
             raise EngineHTTPError(f"{self.url}/update_weights_from_disk", 200, str(reply.get("message")))
         self._version = version
 
-    async def load_adapter(self, name: str, uri: str) -> None:
-        """``/load_lora_adapter``: requests with ``adapter=name`` then use it."""
+    async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
+        """``/load_lora_adapter``: requests with ``adapter=name`` then use it. SGLang has no adapter
+        versions, so this client stamps results of ``name`` with ``version`` from then on (a request
+        in flight while the adapter is replaced may carry the new version)."""
         reply = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": uri})
         if isinstance(reply, dict) and reply.get("success") is False:
             raise EngineHTTPError(f"{self.url}/load_lora_adapter", 200, str(reply.get("error_message")))
+        self._adapter_versions[name] = version
 
     async def pause(self) -> None:
         await self._post("/pause_generation", {"mode": PAUSE_MODE})

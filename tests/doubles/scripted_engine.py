@@ -93,7 +93,7 @@ class ScriptedEngine:
         finally:
             self._open.set()
 
-    async def load_adapter(self, name: str, uri: str) -> None:
+    async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
         raise NotImplementedError("ScriptedEngine has no adapters")
 
     async def pause(self) -> None:

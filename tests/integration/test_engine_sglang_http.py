@@ -224,7 +224,7 @@ def test_adapters_load_and_serve_over_http(server, tok, tiny_model_dir, tmp_path
 
     async def body():
         eng = client(server)
-        await eng.load_adapter("math", str(tmp_path / "math"))
+        await eng.load_adapter("math", str(tmp_path / "math"), version=5)
         base = await eng.generate(requests(tok, greedy_params(max_new_tokens=4)))
         reqs = [GenerateRequest(r.prompt_ids, r.sampling, rid=r.rid, adapter="math")
                 for r in requests(tok, greedy_params(max_new_tokens=4))]
@@ -234,3 +234,4 @@ def test_adapters_load_and_serve_over_http(server, tok, tiny_model_dir, tmp_path
 
     base, adapted = asyncio.run(body())
     assert [r.logprobs for r in base] != [r.logprobs for r in adapted], "lora_path selects the adapter"
+    assert {r.weight_version for r in adapted} == {5} and {r.weight_version for r in base} == {0}

@@ -101,10 +101,13 @@ def test_adapters_serve_by_name_beside_the_base_in_one_batch(tiny_model_dir, eng
 
 
 def test_loading_an_adapter_again_replaces_it(tiny_model_dir, engine, tmp_path):
-    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "a1", seed=1)))
+    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "a1", seed=1), version=3))
     first = _greedy(engine, "math")
-    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "a2", seed=7, rank=8)))
+    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "a2", seed=7, rank=8), version=4))
     second = _greedy(engine, "math")
+    # each result says which version of its weights made it: the adapter's, or the base's
+    assert {r.weight_version for r in first} == {3} and {r.weight_version for r in second} == {4}
+    assert {r.weight_version for r in _greedy(engine)} == {0}
     asyncio.run(engine.load_adapter("other", make_adapter(tiny_model_dir, tmp_path / "a1b", seed=1)))
     assert _flat(_greedy(engine, "other")) == pytest.approx(
         _flat(first)), "the same adapter files give the same policy under any name"
