@@ -235,12 +235,18 @@ class RunSession:
         """The next ``n`` training prompts, rendered and tokenized."""
         return _render(self.source.next_batch(n), self.cfg.data, self.tokenizer)
 
+    @_built_once
+    def reward_post_process(self):
+        from miles_core.rewards import load_post_process
+
+        return load_post_process(self.cfg.rollout.reward_post_process_path)
+
     async def score(self, groups: list[Group]) -> RewardStats:
         """Score groups in place with the run's reward, then its reward post-processing."""
-        from miles_core.rewards import load_post_process, post_process_rewards, score_groups
+        from miles_core.rewards import post_process_rewards, score_groups
 
         stats = await score_groups(self.reward_fn, groups)
-        await post_process_rewards(load_post_process(self.cfg.rollout.reward_post_process_path), groups)
+        await post_process_rewards(self.reward_post_process, groups)
         return stats
 
     def rollout(self, step: int) -> RolloutRef:

@@ -148,10 +148,14 @@ LOSSES = {
 
 @pytest.mark.parametrize("variant", LOSSES)
 def test_micro_batch_size_does_not_change_the_update(tiny_model_dir, tmp_path, variant):
-    cfg = LOSSES[variant]
+    assert_micro_batch_invariance(make_trainer, tiny_model_dir, tmp_path, LOSSES[variant])
+
+
+def assert_micro_batch_invariance(make, model_dir, tmp_path, cfg: dict) -> None:
+    """Micro-batches of 1 and of 8 give the same losses, gradient norm and updated weights."""
     batch = make_batch(REWARDS_A, loss=cfg["loss"])
-    one = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=1, clip_grad=0.0, **cfg)
-    eight = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, clip_grad=0.0, **cfg)
+    one = make(model_dir, tmp_path, micro_batch_size=1, clip_grad=0.0, **cfg)
+    eight = make(model_dir, tmp_path, micro_batch_size=8, clip_grad=0.0, **cfg)
     m1, m8 = one.step(batch), eight.step(batch)
     # grad_norm is scale-sensitive (Adam's first step nearly is not), so it catches a wrong normaliser
     for key in ("loss", "pg_loss", "grad_norm", "entropy", "kl"):

@@ -10,7 +10,16 @@ import shutil
 import pytest
 import torch
 from pydantic import ValidationError
-from test_trainer import REWARDS_A, REWARDS_B, FakeWeightStore, assert_same_params, make_batch, make_groups, params
+from test_trainer import (
+    REWARDS_A,
+    REWARDS_B,
+    FakeWeightStore,
+    assert_micro_batch_invariance,
+    assert_same_params,
+    make_batch,
+    make_groups,
+    params,
+)
 
 from miles_core.config import GRPOLossConfig, LoraConfig, RunConfig, TrainConfig
 from miles_core.train import setup_trainer
@@ -146,15 +155,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_micro_batch_size_does_not_change_the_lora_update(tiny_model_dir, tmp_path, variant):
-    cfg = VARIANTS[variant]
-    batch = make_batch(REWARDS_A, loss=cfg["loss"])
-    one = make_lora_trainer(tiny_model_dir, tmp_path, micro_batch_size=1, clip_grad=0.0, **cfg)
-    eight = make_lora_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, clip_grad=0.0, **cfg)
-    m1, m8 = one.step(batch), eight.step(batch)
-    for key in ("loss", "pg_loss", "grad_norm", "entropy", "kl"):
-        assert m1[key] == pytest.approx(m8[key], abs=1e-5), key
-    assert m1["grad_norm"] > 0
-    assert_same_params(one, eight, atol=1e-5)
+    assert_micro_batch_invariance(make_lora_trainer, tiny_model_dir, tmp_path, VARIANTS[variant])
 
 
 def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, tmp_path):
