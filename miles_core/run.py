@@ -542,6 +542,9 @@ class RunSession:
         if "engine" in self.__dict__:
             self._loop.run(self.engine.close())
             self._loop.close()
+        close_trainer = getattr(self.__dict__.get("trainer"), "close", None)
+        if close_trainer is not None:  # a multi-process trainer stops its worker processes
+            close_trainer()
 
 
 class _PromptSupply:
