@@ -602,12 +602,6 @@ class RunConfig(_Base):
                 "async_rollout.partial_rollout cannot continue samples of a custom generate function "
                 "(rollout.custom_generate_function_path); turn one of them off"
             )
-        if self.lora is not None:
-            raise ValueError(
-                "lora: LoRA training works in the trainer (TorchTrainer(lora=...)) but is not wired into the "
-                "train flow yet (pushing adapters to the engine, rollouts with the adapter); remove the lora "
-                "section or the --lora-* flags for now"
-            )
         if self.mode == "fully_async" and self.checkpoint.save_interval is not None:
             raise ValueError(
                 "checkpoint.save_interval: fully_async runs cannot be checkpointed and resumed yet "

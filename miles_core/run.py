@@ -162,6 +162,10 @@ class RunSession:
         engine = setup_engine(
             self.cfg.engine, self.refs.model_dir, self.cfg.model.dtype, self.cfg.seed, self.cfg.storage.storage_options
         )
+        if self.cfg.lora is not None:  # the policy is an adapter of the engine: pushes load it by name
+            from miles_core.engines.policy import AdapterPolicy
+
+            engine = AdapterPolicy(engine, self.cfg.lora.adapter_name)
         latest = self.weights.latest()
         if latest is not None:  # a rebuilt session resumes from the newest published weights
             self._loop.run(engine.update_weights(self.weights.uri(latest), latest))
@@ -172,7 +176,7 @@ class RunSession:
         from miles_core.train import setup_trainer
 
         return setup_trainer(
-            self.cfg.train, self.refs.model_dir, self.weights, self.cfg.model.dtype,
+            self.cfg.train, self.refs.model_dir, self.weights, self.cfg.model.dtype, lora=self.cfg.lora,
             storage_options=self.cfg.storage.storage_options,
         )
 

@@ -4,7 +4,7 @@ It behaves like a continuous-batching server (SGLang): every request generates c
 token every ``token_latency`` seconds; ``pause`` holds new requests and waits for running ones;
 ``abort`` returns every running request at once with the tokens so far (finish reason ``abort``);
 ``update_weights`` waits until nothing runs (new requests wait for it) and stamps later results
-with the new version. ``script(request) -> list[int]`` decides a request's full output (default:
+with the new version; ``load_adapter`` does the same for requests naming that adapter. ``script(request) -> list[int]`` decides a request's full output (default:
 ``default_tokens`` tokens); ``fail(request) -> Exception | None`` makes a request raise.
 It records what tests assert on: peak concurrent requests, calls, weight loads.
 """
@@ -39,6 +39,8 @@ class ScriptedEngine:
         self.tokens_out = 0
         self.requests: list[GenerateRequest] = []
         self.loads: list[tuple[str, int]] = []
+        self.adapter_loads: list[tuple[str, str, int]] = []
+        self.adapter_versions: dict[str, int] = {}
         self.closed = False
 
     @property
@@ -60,7 +62,10 @@ class ScriptedEngine:
         self._running += 1
         self._idle.clear()
         self.peak_running = max(self.peak_running, self._running)
-        version, epoch = self._version, self._abort_epoch
+        if req.adapter is not None and req.adapter not in self.adapter_versions:
+            raise ValueError(f"adapter {req.adapter!r} is not loaded")
+        version = self._version if req.adapter is None else self.adapter_versions[req.adapter]
+        epoch = self._abort_epoch
         full = self.script(req)
         out: list[int] = []
         finish = "stop"
@@ -94,7 +99,14 @@ class ScriptedEngine:
             self._open.set()
 
     async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
-        raise NotImplementedError("ScriptedEngine has no adapters")
+        """Like ``update_weights``, for adapter ``name``; its requests' results carry ``version``."""
+        self._open.clear()
+        try:
+            await self._idle.wait()
+            self.adapter_loads.append((name, uri, version))
+            self.adapter_versions[name] = version
+        finally:
+            self._open.set()
 
     async def pause(self) -> None:
         self._open.clear()

@@ -14,3 +14,12 @@ def prefect_backend():
     with prefect_test_harness(server_startup_timeout=120):
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> str:
+    """The demo's warm-started tiny model (built once, about a minute, then cached)."""
+    from miles_core.config import ModelConfig
+    from miles_core.models.tiny import ensure_model
+
+    return str(ensure_model(ModelConfig(), log=lambda *_: None))

@@ -14,14 +14,6 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def demo_model() -> str:
-    from miles_core.config import ModelConfig
-    from miles_core.models.tiny import ensure_model
-
-    return str(ensure_model(ModelConfig(), log=lambda *_: None))
-
-
 def _run_cfg(tmp_path: Path, model_dir: str, mode: str, **overrides):
     from miles_core.config import RunConfig
 

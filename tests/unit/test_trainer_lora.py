@@ -215,7 +215,7 @@ def test_lora_config_is_validated():
     assert RunConfig().lora is None
 
 
-def test_lora_flags_set_the_lora_config_which_the_flow_refuses_until_it_is_wired():
+def test_lora_flags_set_the_lora_config():
     from miles_core.cli import FLAGS, build_parser, resolve_config
 
     assert {f: FLAGS[f] for f in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules")} == {
@@ -223,6 +223,5 @@ def test_lora_flags_set_the_lora_config_which_the_flow_refuses_until_it_is_wired
         "--target-modules": "lora.target_modules"}
     argv = ["show-config", "--lora-rank", "8", "--lora-alpha", "32", "--lora-dropout", "0.05",
             "--target-modules", "q_proj", "v_proj"]
-    # a run config with LoRA is refused loudly rather than trained as a full fine-tune
-    with pytest.raises(ValueError, match="not wired into the train flow yet"):
-        resolve_config(build_parser().parse_args(argv))
+    cfg = resolve_config(build_parser().parse_args(argv))
+    assert cfg.lora == LoraConfig(rank=8, alpha=32, dropout=0.05, target_modules=["q_proj", "v_proj"])

@@ -1,0 +1,99 @@
+"""LoRA runs of the toy task under Prefect: the trainer trains an adapter, every version is published
+as a PEFT folder and loaded into the engine by name, and the base weights never change.
+
+The session is inspected just before the flow closes it, so the test sees the trainer's and the
+engine's in-memory base weights, not only what was written to disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_modes import _rows, _run_cfg
+
+pytestmark = pytest.mark.integration
+
+LORA = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+@pytest.fixture
+def closing_sessions(monkeypatch):
+    """The sessions the flow closes, with what the test checks taken from them before they close."""
+    import flows.train
+    from miles_core import run
+
+    seen = []
+
+    def close_and_keep(refs):
+        session = run._SESSIONS.get(refs.run_dir)
+        if session is not None:
+            seen.append({
+                "trainer_base": _base_of(session.trainer.model),
+                "engine_base": _base_of(session.engine.engine._base),  # PEFT wraps its modules in place
+                "engine_adapters": session.engine.adapters,
+                "policy_version": session.engine.weight_version,
+            })
+        run.close_session(refs)
+
+    monkeypatch.setattr(flows.train, "close_session", close_and_keep)
+    return seen
+
+
+def _base_of(peft_model) -> dict[str, torch.Tensor]:
+    """The base weights inside a PEFT model (or a model PEFT injected adapters into), under the
+    base model's own names."""
+    state = {}
+    for name, tensor in peft_model.state_dict().items():
+        if "lora_" in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        state[name] = tensor.detach().clone()
+    return state
+
+
+def _assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), (what, sorted(a.keys() ^ b.keys())[:5])
+    changed = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not changed, f"{what}: base weights changed: {changed[:5]}"
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_lora_run_improves_with_only_the_adapter_changing(prefect_backend, demo_model, tmp_path, closing_sessions, mode):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from flows.train import train
+    from miles_core.storage import WeightStore
+
+    cfg = _run_cfg(tmp_path, demo_model, mode, train={"lr": 3e-3, "micro_batch_size": 64}, lora=LORA,
+                   async_rollout={"max_weight_staleness": 2, "max_concurrent_samples": 128})
+    state = train(cfg, return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.2, summary
+
+    original = AutoModelForCausalLM.from_pretrained(demo_model).state_dict()
+    [seen] = closing_sessions
+    _assert_bit_identical(seen["trainer_base"], original, "trainer")
+    _assert_bit_identical(seen["engine_base"], original, "engine")
+    assert seen["engine_adapters"] == ["policy"] and seen["policy_version"] == 12
+
+    # every version is an adapter folder: LoRA weights only, loadable by PEFT as it is
+    store = WeightStore(str(Path(summary["run_dir"]) / "weights"))
+    assert store.versions() == list(range(1, 13))
+    folder = Path(store.uri(12))
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
+    tensors = load_file(folder / "adapter_model.safetensors")
+    assert tensors and all("lora_A" in k or "lora_B" in k for k in tensors)
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model), str(folder))
+    assert any(float(p.abs().sum()) > 0 for n, p in policy.named_parameters() if "lora_B" in n)
+
+    rows = _rows(summary["run_dir"], "metrics.jsonl")
+    # the staleness of adapter samples is counted in adapter versions
+    if mode == "sync":
+        assert all(r["staleness_max"] == 0 for r in rows)
+    else:
+        assert max(r["staleness_max"] for r in rows) <= 2 and rows[-1]["async/weight_updates"] >= 6
