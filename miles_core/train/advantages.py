@@ -5,6 +5,8 @@
 - ``sample_advantages(groups)``: one advantage per sample, in the order of
   ``miles_core.types.flatten(groups)`` (the order a ``TrainBatch`` lists samples in).
 - ``reinforce_pp_advantages(rewards, token_counts)``: REINFORCE++, rewards whitened over the batch.
+- ``reinforce_pp_baseline_advantages(rewards, token_counts)``: REINFORCE++-baseline, group-centred
+  rewards whitened over the batch.
 - ``compute_advantages(loss_cfg, groups)``: the estimator the loss config's ``type`` names.
 
 Definitions (chosen once, used everywhere):
@@ -95,6 +97,27 @@ def reinforce_pp_advantages(
     return [0.0 if r is None else (float(r) - mean) / (std + eps) for r in rewards]
 
 
+def reinforce_pp_baseline_advantages(
+    rewards: Sequence[Sequence[float | None]], token_counts: Sequence[Sequence[int]], eps: float = 1e-6
+) -> list[list[float]]:
+    """REINFORCE++-baseline: each reward minus its group's mean (over the group's scored samples),
+    then ``reinforce_pp_advantages`` of those centred rewards (whitened over every trained token of
+    the batch). Groups are lists, ragged and holding ``None`` as ``grpo_advantages`` takes them; the
+    result has the same shape. The group baseline removes the prompt's difficulty; the batch
+    whitening keeps the advantage scale steady across batches."""
+    centred: list[float | None] = []
+    for group in rewards:
+        scored = [float(r) for r in group if r is not None]
+        mean = sum(scored) / len(scored) if scored else 0.0
+        centred.extend(None if r is None else float(r) - mean for r in group)
+    flat = reinforce_pp_advantages(centred, [n for counts in token_counts for n in counts], eps)
+    out, start = [], 0
+    for group in rewards:
+        out.append(flat[start : start + len(group)])
+        start += len(group)
+    return out
+
+
 def _grpo(cfg: Any, groups: Sequence[Group]) -> list[float]:
     return sample_advantages(groups, cfg.advantage_std_normalize)
 
@@ -108,11 +131,19 @@ def _reinforce_pp(cfg: Any, groups: Sequence[Group]) -> list[float]:
     return reinforce_pp_advantages([s.reward for s in samples], [sum(s.loss_mask) for s in samples])
 
 
+def _reinforce_pp_baseline(cfg: Any, groups: Sequence[Group]) -> list[float]:
+    per_group = reinforce_pp_baseline_advantages(
+        [g.rewards for g in groups], [[sum(s.loss_mask) for s in g.samples] for g in groups]
+    )
+    return [a for group in per_group for a in group]
+
+
 _ESTIMATORS: dict[str, Callable[[Any, Sequence[Group]], list[float]]] = {
     "grpo": _grpo,
     "dr_grpo": _dr_grpo,
     "gspo": _grpo,
     "reinforce_plus_plus": _reinforce_pp,
+    "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
 }
 
 

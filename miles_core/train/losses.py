@@ -275,6 +275,7 @@ _POLICY_LOSSES: dict[str, Callable[[Any], PolicyLoss]] = {
     "dr_grpo": _dr_grpo,
     "gspo": _gspo,
     "reinforce_plus_plus": _ppo_clip,
+    "reinforce_plus_plus_baseline": _ppo_clip,
 }
 
 

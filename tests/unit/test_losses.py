@@ -7,11 +7,18 @@ import math
 import pytest
 import torch
 
-from miles_core.config import DrGRPOLossConfig, GRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig
+from miles_core.config import (
+    DrGRPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    ReinforcePPBaselineLossConfig,
+    ReinforcePPLossConfig,
+)
 from miles_core.train.advantages import (
     compute_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     sample_advantages,
 )
 from miles_core.train.losses import (
@@ -107,6 +114,22 @@ def test_reinforce_pp_advantages_whiten_over_the_batch_tokens_by_hand():
     assert reinforce_pp_advantages([None, 1.0], [2, 0]) == [0.0, 0.0]  # no scored token: all zero
 
 
+def test_reinforce_pp_baseline_centres_each_group_then_whitens_over_the_batch_tokens_by_hand():
+    # group 0: rewards [1, 0, None] -> mean 0.5 -> centred [0.5, -0.5, None]
+    # group 1: rewards [3, 3]       -> mean 3   -> centred [0, 0]
+    # tokens [1, 3, 2 | 2, 2]; the None sample stays out: token-weighted over 1 + 3 + 2 + 2 = 8 tokens
+    # mean = (0.5 * 1 - 0.5 * 3 + 0 + 0) / 8 = -0.125
+    # var = (1 (0.625)^2 + 3 (-0.375)^2 + 4 (0.125)^2) / 8 = (0.390625 + 0.421875 + 0.0625) / 8 = 0.109375
+    # std = 0.3307189; A = [0.625, -0.375, 0 (None) | 0.125, 0.125] / 0.3307189
+    std = math.sqrt(0.109375)
+    adv = reinforce_pp_baseline_advantages([[1.0, 0.0, None], [3.0, 3.0]], [[1, 3, 2], [2, 2]])
+    assert adv == [[approx(0.625 / std, abs=1e-5), approx(-0.375 / std, abs=1e-5), 0.0],
+                   [approx(0.125 / std, abs=1e-5), approx(0.125 / std, abs=1e-5)]]
+    # unlike plain REINFORCE++, a group whose samples all score the same reward contributes no
+    # signal of its own: with only such groups every advantage is 0
+    assert reinforce_pp_baseline_advantages([[3.0, 3.0], [1.0, 1.0]], [[1, 2], [3, 4]]) == [[0.0, 0.0], [0.0, 0.0]]
+
+
 def test_compute_advantages_picks_the_estimator_of_the_loss_type():
     groups = [_group(0, [1.0, 0.0]), _group(1, [3.0, 3.0], lengths=[1, 3])]
     # grpo and gspo: group 0 [1, 0] -> mean 0.5, std 0.5 -> [1, -1]; group 1 all equal -> [0, 0]
@@ -121,6 +144,10 @@ def test_compute_advantages_picks_the_estimator_of_the_loss_type():
     mean, std = 13 / 6, math.sqrt(318 / 216)
     expected = [(r - mean) / std for r in (1.0, 0.0, 3.0, 3.0)]
     assert compute_advantages(ReinforcePPLossConfig(), groups) == [approx(a, abs=1e-5) for a in expected]
+    # reinforce++ with baseline: centred [0.5, -0.5 | 0, 0] over 1 + 1 + 1 + 3 tokens: mean 0,
+    # var = (0.25 + 0.25) / 6 = 1/12 -> A = [0.5 sqrt(12), -0.5 sqrt(12), 0, 0] = [1.7320508, -1.7320508, 0, 0]
+    assert compute_advantages(ReinforcePPBaselineLossConfig(), groups) == [
+        approx(1.7320508, abs=1e-5), approx(-1.7320508, abs=1e-5), 0.0, 0.0]
 
 
 # ------------------------------------------------------------------------------------- logprobs
@@ -435,6 +462,7 @@ LOSS_CONFIGS = {
     "gspo": GSPOLossConfig(eps_clip=0.2, eps_clip_high=0.2),
     "gspo_dual_clip": GSPOLossConfig(eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0),
     "reinforce_plus_plus": ReinforcePPLossConfig(),
+    "reinforce_plus_plus_baseline": ReinforcePPBaselineLossConfig(),
 }
 RAGGED = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
 
