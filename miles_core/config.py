@@ -315,7 +315,8 @@ class GRPOLossConfig(_PPOClip):
     """GRPO: PPO-clip surrogate per token, advantages centred (and scaled) within each group."""
 
     type: Literal["grpo"] = "grpo"
-    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``
+    (``--advantage-estimator``)."""
     advantage_std_normalize: bool = True
     """Divide group-centred rewards by the group's std."""
     reducer: Literal["token_mean", "seq_mean"] = "token_mean"
@@ -327,7 +328,8 @@ class DrGRPOLossConfig(_PPOClip):
     a constant ``max_len`` (no length normalisation), mean over sequences."""
 
     type: Literal["dr_grpo"] = "dr_grpo"
-    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``
+    (``--advantage-estimator``)."""
     max_len: int | None = Field(default=None, ge=1)
     """The constant divisor (None: ``rollout.rollout_max_response_len``, filled in by ``RunConfig``)."""
 
@@ -337,7 +339,8 @@ class GSPOLossConfig(_PPOClip):
     group-normalised advantages; mean over sequences."""
 
     type: Literal["gspo"] = "gspo"
-    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``
+    (``--advantage-estimator``)."""
     eps_clip: float = Field(default=3e-4, gt=0)
     """Sequence-ratio clip range below 1 (the GSPO paper's 3e-4)."""
     eps_clip_high: float | None = Field(default=4e-4, gt=0)
@@ -351,13 +354,24 @@ class ReinforcePPLossConfig(_PPOClip):
     over all trained tokens of the batch (global mean and std); PPO-clip surrogate per token."""
 
     type: Literal["reinforce_plus_plus"] = "reinforce_plus_plus"
-    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo`` or ``reinforce_plus_plus`` (``--advantage-estimator``)."""
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``
+    (``--advantage-estimator``)."""
     reducer: Literal["token_mean", "seq_mean"] = "token_mean"
     """How token losses become one number: mean over all tokens, or mean of per-sequence means."""
 
 
+class ReinforcePPBaselineLossConfig(ReinforcePPLossConfig):
+    """REINFORCE++ with a group baseline: each reward minus its group's mean reward, then whitened
+    over all trained tokens of the batch, as in REINFORCE++; PPO-clip surrogate per token."""
+
+    type: Literal["reinforce_plus_plus_baseline"] = "reinforce_plus_plus_baseline"  # type: ignore[assignment]
+    """Loss variant: ``grpo``, ``dr_grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``
+    (``--advantage-estimator``)."""
+
+
 LossConfig = Annotated[
-    Union[GRPOLossConfig, DrGRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig], Field(discriminator="type")
+    Union[GRPOLossConfig, DrGRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig, ReinforcePPBaselineLossConfig],
+    Field(discriminator="type"),
 ]
 
 
