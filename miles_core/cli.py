@@ -62,7 +62,7 @@ FLAGS: dict[str, str] = {
     "--eps-clip-c": "train.loss.eps_clip_c",
     "--entropy-coef": "train.entropy_coef",
     "--kl-coef": "train.kl_coef",
-    "--kl-loss-coef": "train.kl_coef",
+    "--kl-loss-coef": "train.kl_loss_coef",
     "--kl-loss-type": "train.kl_type",
     "--use-tis": "train.use_tis",
     "--tis-mode": "train.tis_mode",

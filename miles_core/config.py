@@ -404,10 +404,16 @@ class TrainConfig(_Base):
     """Policy loss and the advantages it trains on (tagged by ``type``; see ``LossConfig``)."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss gets ``- entropy_coef * H`` (H reduced like the policy loss; 0: off)."""
+    kl_loss_coef: float = Field(default=0.0, ge=0)
+    """KL loss: the loss gets ``+ kl_loss_coef * KL(pi || pi_ref)``, the per-token ``kl_type``
+    estimate reduced like the policy loss (``--kl-loss-coef``; 0: off)."""
     kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the KL-to-reference term added to the loss (0: no reference model is kept)."""
+    """KL penalty in the reward (Miles' ``--kl-coef``): before the advantages are computed, each
+    sample's reward becomes ``R - kl_coef * sum_t KL_t``, the ``kl_type`` estimate of
+    log pi_old - log pi_ref summed over its trained tokens (0: off). With neither KL term on, no
+    reference policy is kept."""
     kl_type: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2, k3)."""
+    """KL estimator of both KL terms (Schulman's k1, k2, k3; ``--kl-loss-type``)."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where the PPO ratio's denominator comes from: a forward pass of the trainer's weights before
     the update, or the logprobs the rollout engine reported."""

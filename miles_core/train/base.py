@@ -29,6 +29,9 @@ class TrainBatch:
     """One advantage per sample (broadcast over its response tokens)."""
     temperature: float = 1.0
     """Rollout temperature the samples were drawn at (0 or less: logprobs of the raw logits)."""
+    group_sizes: list[int] | None = None
+    """Samples per group, in order (``from_groups`` sets it): the trainer needs the groups again to
+    recompute advantages from KL-penalised rewards (``train.kl_coef``)."""
 
     def __post_init__(self) -> None:
         if len(self.samples) != len(self.advantages):
@@ -46,7 +49,20 @@ class TrainBatch:
         from miles_core.train.advantages import compute_advantages
 
         advantages = compute_advantages(loss or GRPOLossConfig(), groups)
-        return cls(flatten(list(groups)), advantages, temperature)
+        return cls(flatten(list(groups)), advantages, temperature, [len(g.samples) for g in groups])
+
+    def regrouped(self, rewards: Sequence[float | None]) -> list[Group]:
+        """The batch's groups again, with ``rewards`` (one per sample, in order) in place of theirs."""
+        from dataclasses import replace
+
+        if self.group_sizes is None or sum(self.group_sizes) != len(self.samples):
+            raise ValueError("this TrainBatch has no group structure: build it with TrainBatch.from_groups")
+        samples = [replace(s, reward=r) for s, r in zip(self.samples, rewards, strict=True)]
+        groups, start = [], 0
+        for n in self.group_sizes:
+            groups.append(Group(samples[start : start + n]))
+            start += n
+        return groups
 
 
 @runtime_checkable

@@ -2,8 +2,9 @@
 
 One ``step(batch)``:
 1. collate the samples (``batch.collate``) and attach advantages, the PPO ratio denominator
-   (recomputed by a no-grad forward pass, or the rollout engine's logprobs) and, when
-   ``kl_coef > 0``, the frozen reference policy's logprobs;
+   (recomputed by a no-grad forward pass, or the rollout engine's logprobs) and, when a KL term
+   is on (``kl_loss_coef`` or ``kl_coef``), the frozen reference policy's logprobs; with
+   ``kl_coef``, the advantages again from KL-penalised rewards;
 2. rollout correction: with recomputed old logprobs and samples that carry the engine's logprobs,
    measure the mismatch between the two (``mismatch_kl``, ...); with ``use_tis``, attach the
    per-token importance weights (``losses.rollout_correction``) and, in mask mode, drop the
@@ -23,7 +24,9 @@ One ``step(batch)``:
 Every optimizer step after the first of a batch trains on samples its weights did not produce;
 ``offpolicy_ratio_dev`` and ``offpolicy_clipfrac`` (steps 2..k) show how far they have drifted.
 
-Loss = policy loss + kl_coef * KL(pi || pi_ref) - entropy_coef * H, all reduced the same way. The
+Loss = policy loss + kl_loss_coef * KL(pi || pi_ref) - entropy_coef * H, all reduced the same way.
+With ``kl_coef`` (KL penalty in the reward), each sample's reward first becomes
+R - kl_coef * sum_t KL_t(pi_old || pi_ref) and the advantages are recomputed from it. The
 policy loss is the one ``train.loss.type`` names (``losses.setup_policy_loss``: grpo, dr_grpo, gspo,
 reinforce_plus_plus); the advantages it trains on come with the batch (``TrainBatch.from_groups``). Logprobs are those of
 ``logits / temperature`` (raw logits when the temperature is 0), as the rollout engines report them.
@@ -113,7 +116,7 @@ class TorchTrainer:
         # The reference policy is the starting weights; a frozen copy is kept only when the KL term
         # is on and there is no adapter to switch off (with LoRA the base itself is the reference).
         self.ref_model = None
-        if train_cfg.kl_coef > 0 and lora is None:
+        if _uses_reference(train_cfg) and lora is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -134,7 +137,7 @@ class TorchTrainer:
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """Train on ``batch``. Metrics are averaged over its optimizer steps (NaN if none was taken):
-        ``loss``, ``pg_loss``, ``kl`` (0 when ``kl_coef`` is 0), ``entropy``, ``clipfrac``,
+        ``loss``, ``pg_loss``, ``kl`` (0 when no KL term is on), ``entropy``, ``clipfrac``,
         ``ratio_mean``, ``ratio_dev`` (mean |ratio - 1|), ``approx_kl``, ``grad_norm`` (before
         clipping); with two or more optimizer steps, ``offpolicy_ratio_dev`` and
         ``offpolicy_clipfrac``: the same averaged over steps 2..k only (step 1 is on-policy, its
@@ -180,10 +183,27 @@ class TorchTrainer:
                 batch.samples, "train.old_logprobs='rollout'", "use old_logprobs='recompute' or an engine that reports them"
             )
             tokens.old_logprobs = tokens.rollout_logprobs
-        if self.cfg.kl_coef > 0:
+        if _uses_reference(self.cfg):
             with self._reference() as ref:
                 tokens.ref_logprobs = self._forward_logprobs(ref, tokens, batch.temperature)
+        if self.cfg.kl_coef > 0:
+            metrics.update(self._kl_penalised_advantages(batch, tokens))
         return tokens, metrics
+
+    def _kl_penalised_advantages(self, batch: TrainBatch, tokens: TokenBatch) -> dict[str, float]:
+        """KL penalty in the reward: R' = R - kl_coef * sum_t KL_t over each sample's trained tokens
+        (KL_t: the ``kl_type`` estimate of log pi_old - log pi_ref), then the loss's advantages of R'.
+        Reports ``kl_reward_penalty``: the mean of kl_coef * sum_t KL_t over the scored samples."""
+        from miles_core.train.advantages import compute_advantages
+
+        cfg = self.cfg
+        seq_kl = (kl_penalty(tokens.old_logprobs, tokens.ref_logprobs, cfg.kl_type) * tokens.loss_mask).sum(-1)
+        penalties = (cfg.kl_coef * seq_kl).tolist()
+        rewards = [None if s.reward is None else s.reward - p for s, p in zip(batch.samples, penalties)]
+        advantages = compute_advantages(cfg.loss, batch.regrouped(rewards))
+        tokens.advantages = torch.tensor(advantages, dtype=torch.float32, device=self.device)
+        scored = [p for s, p in zip(batch.samples, penalties) if s.reward is not None]
+        return {"kl_reward_penalty": _mean(scored)}
 
     @contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
@@ -269,7 +289,8 @@ class TorchTrainer:
         kl = torch.zeros(())
         if mb.ref_logprobs is not None:
             kl = reduce_tokens(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_type), mb.loss_mask, reducer, denom)
-            loss = loss + cfg.kl_coef * kl
+        if cfg.kl_loss_coef > 0:
+            loss = loss + cfg.kl_loss_coef * kl
         # the entropy keeps its graph only when it is part of the loss
         with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = reduce_tokens(entropy_from_logits(logits), mb.loss_mask, reducer, denom)
@@ -397,6 +418,11 @@ def _wrap_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return peft.get_peft_model(model, peft_cfg, adapter_name=lora.adapter_name)
+
+
+def _uses_reference(cfg: TrainConfig) -> bool:
+    """Whether either KL term (loss or reward penalty) needs the reference policy's logprobs."""
+    return cfg.kl_loss_coef > 0 or cfg.kl_coef > 0
 
 
 def _cpu_copies(state: dict[str, Tensor]) -> dict[str, Tensor]:

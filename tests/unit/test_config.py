@@ -59,6 +59,7 @@ def test_flags_set_their_fields():
     assert cfg.rollout.rollout_max_response_len == 12 and cfg.rollout.rollout_temperature == 0.7
     assert cfg.eval.eval_interval is None  # "none" clears an optional field
     assert cfg.train.kl_type == "k3" and cfg.train.kl_coef == 0.01  # Miles' low_var_kl is k3
+    assert cfg.train.kl_loss_coef == 0.0  # Miles' --kl-coef is the KL penalty in the reward, not the loss
     assert cfg.train.old_logprobs == "rollout"
     assert cfg.rollout.rollout_shuffle is False
     assert cfg.rollout.rollout_stop == ["\n", "###"]
@@ -71,7 +72,7 @@ def test_loss_flags_set_the_loss_union():
     loss = cfg.train.loss
     assert isinstance(loss, GRPOLossConfig) and (loss.eps_clip, loss.clip_high, loss.eps_clip_c) == (0.1, 0.28, 3.0)
     assert loss.advantage_std_normalize is False
-    assert cfg.train.entropy_coef == 0.01 and cfg.train.kl_coef == 0.02
+    assert cfg.train.entropy_coef == 0.01 and cfg.train.kl_loss_coef == 0.02 and cfg.train.kl_coef == 0.0
     # --advantage-estimator picks the variant; the others' flags apply to it
     cfg = _cfg("--advantage-estimator", "gspo", "--eps-clip", "0.001")
     assert isinstance(cfg.train.loss, GSPOLossConfig) and cfg.train.loss.eps_clip == 0.001

@@ -10,7 +10,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from miles_core.config import DrGRPOLossConfig, GRPOLossConfig, GSPOLossConfig, ReinforcePPLossConfig, TrainConfig
+from miles_core.config import (
+    DrGRPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    ReinforcePPBaselineLossConfig,
+    ReinforcePPLossConfig,
+    TrainConfig,
+)
 from miles_core.models.tiny import build_tokenizer
 from miles_core.train import setup_trainer
 from miles_core.train.base import Trainer, TrainBatch
@@ -123,7 +130,7 @@ def test_collate_rejects_mismatched_loss_mask():
 
 def test_one_step_changes_every_parameter(tiny_model_dir, tmp_path):
     trainer = setup_trainer(TrainConfig(global_batch_size=8), str(tiny_model_dir), FakeWeightStore(tmp_path))
-    assert isinstance(trainer, Trainer) and trainer.ref_model is None  # kl_coef 0: no reference copy
+    assert isinstance(trainer, Trainer) and trainer.ref_model is None  # no KL term: no reference copy
     before = params(trainer)
     metrics = trainer.step(make_batch(REWARDS_A))
     after = params(trainer)
@@ -139,10 +146,11 @@ def test_one_step_changes_every_parameter(tiny_model_dir, tmp_path):
 LOSSES = {
     "grpo_token_mean": dict(loss=GRPOLossConfig(reducer="token_mean")),
     "grpo_seq_mean": dict(loss=GRPOLossConfig(reducer="seq_mean")),
-    "grpo_dual_clip_entropy_kl": dict(loss=GRPOLossConfig(eps_clip_c=3.0), entropy_coef=0.01, kl_coef=0.1),
+    "grpo_dual_clip_entropy_kl": dict(loss=GRPOLossConfig(eps_clip_c=3.0), entropy_coef=0.01, kl_loss_coef=0.1),
     "dr_grpo": dict(loss=DrGRPOLossConfig(max_len=6)),
     "gspo": dict(loss=GSPOLossConfig()),
     "reinforce_plus_plus": dict(loss=ReinforcePPLossConfig(reducer="seq_mean")),
+    "reinforce_plus_plus_baseline_kl_in_reward": dict(loss=ReinforcePPBaselineLossConfig(), kl_coef=0.05),
 }
 
 
@@ -229,12 +237,45 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tmp_path):
 
 
 def test_kl_is_zero_while_the_policy_is_the_reference(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, kl_coef=0.1, kl_type="k3", global_batch_size=None)
+    trainer = make_trainer(tiny_model_dir, tmp_path, kl_loss_coef=0.1, kl_type="k3", global_batch_size=None)
     assert trainer.ref_model is not None
     first = trainer.step(make_batch(REWARDS_A))
     assert abs(first["kl"]) < 1e-6
     second = trainer.step(make_batch(REWARDS_A))
     assert second["kl"] > 0  # the policy has moved away from the reference
+
+
+def test_kl_penalty_in_the_reward_changes_the_advantages_by_hand(tiny_model_dir, tmp_path):
+    """kl_coef: R' = R - kl_coef * sum_t KL_t(pi_old || pi_ref); the advantages are the loss's of R'."""
+    from miles_core.train.advantages import sample_advantages
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, kl_coef=0.5, kl_type="k1", global_batch_size=None)
+    assert trainer.ref_model is not None
+    # at the start pi_old == pi_ref: no penalty, the plain GRPO advantages
+    batch = make_batch(REWARDS_A)
+    tokens, metrics = trainer._prepare(batch)
+    assert metrics["kl_reward_penalty"] == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(tokens.advantages, torch.tensor(batch.advantages), atol=1e-5, rtol=0)
+    trainer.step(make_batch(REWARDS_A))  # the policy moves away from the reference
+    batch = make_batch(REWARDS_A)
+    tokens, metrics = trainer._prepare(batch)
+    # by hand: k1 = old - ref per trained token, summed per sample, times 0.5, off each reward
+    seq_kl = ((tokens.old_logprobs - tokens.ref_logprobs) * tokens.loss_mask).sum(-1).tolist()
+    shaped = [s.reward - 0.5 * k for s, k in zip(batch.samples, seq_kl)]
+    expected = sample_advantages(batch.regrouped(shaped))
+    assert tokens.advantages.tolist() == [pytest.approx(a, abs=1e-5) for a in expected]
+    assert metrics["kl_reward_penalty"] == pytest.approx(0.5 * sum(seq_kl) / len(seq_kl), abs=1e-6)
+    assert any(abs(a - b) > 1e-4 for a, b in zip(expected, batch.advantages)), "the penalty changed something"
+    # the KL penalty in the reward adds no KL term to the loss
+    assert trainer.cfg.kl_loss_coef == 0
+
+
+def test_kl_penalty_needs_the_group_structure(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, kl_coef=0.1, global_batch_size=None)
+    batch = make_batch(REWARDS_A)
+    flat = TrainBatch(batch.samples, batch.advantages, batch.temperature)  # no group_sizes
+    with pytest.raises(ValueError, match="no group structure"):
+        trainer.step(flat)
 
 
 def test_failed_samples_train_nothing(tiny_model_dir, tmp_path):

@@ -149,7 +149,7 @@ def test_merge_equals_peft_merged_weights_and_leaves_the_adapter_unmerged(tiny_m
 
 VARIANTS = {
     "grpo": dict(loss=GRPOLossConfig()),
-    "seq_mean_entropy_kl": dict(loss=GRPOLossConfig(reducer="seq_mean"), entropy_coef=0.01, kl_coef=0.1),
+    "seq_mean_entropy_kl": dict(loss=GRPOLossConfig(reducer="seq_mean"), entropy_coef=0.01, kl_loss_coef=0.1),
 }
 
 
@@ -159,7 +159,7 @@ def test_micro_batch_size_does_not_change_the_lora_update(tiny_model_dir, tmp_pa
 
 
 def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, tmp_path):
-    trainer = make_lora_trainer(tiny_model_dir, tmp_path, kl_coef=0.1, global_batch_size=None)
+    trainer = make_lora_trainer(tiny_model_dir, tmp_path, kl_loss_coef=0.1, global_batch_size=None)
     assert trainer.ref_model is None  # no second copy of the model
     assert abs(trainer.step(make_batch(REWARDS_A))["kl"]) < 1e-6
     assert trainer.step(make_batch(REWARDS_A))["kl"] > 0
