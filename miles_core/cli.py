@@ -68,6 +68,11 @@ FLAGS: dict[str, str] = {
     "--tis-mode": "train.tis_mode",
     "--tis-clip": "train.tis_clip",
     "--tis-clip-low": "train.tis_clip_low",
+    "--train-backend": "train.backend.type",
+    "--zero-stage": "train.backend.zero_stage",
+    "--deepspeed-precision": "train.backend.precision",
+    "--trainer-processes": "train.backend.num_processes",
+    "--trainer-launcher": "train.backend.launcher",
     "--lora-rank": "lora.rank",
     "--lora-alpha": "lora.alpha",
     "--lora-dropout": "lora.dropout",
@@ -209,6 +214,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
             continue
         if key == "train.kl_type":
             value = KL_ALIASES.get(value, value)
+        if key == "train.backend.type":
+            value = _switch_backend(data, value)
         if key == "data.path" and (data.get("data") or {}).get("type") != "file":
             data["data"] = {"type": "file", "path": value}
         if key == "eval.data.path" and ((data.get("eval") or {}).get("data") or {}).get("type") != "file":
@@ -230,6 +237,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
             value = text
         _set_path(data, path.strip(), value)
     _check_file_flags(data)
+    _check_backend_flags(data)
     return RunConfig.model_validate_file_dict(data, source=args.config or "command line")
 
 
@@ -237,3 +245,30 @@ def _check_file_flags(data: dict[str, Any]) -> None:
     d = data.get("data") or {}
     if d.get("type", "toy") != "file" and any(k in d for k in ("input_key", "label_key", "apply_chat_template")):
         raise SystemExit("--input-key / --label-key / --apply-chat-template need a file dataset: add --prompt-data PATH")
+
+
+# backend fields that only the DeepSpeed trainer has, and their flags
+_DEEPSPEED_FLAGS = {path.rsplit(".", 1)[1]: flag for flag, path in FLAGS.items()
+                    if path.startswith("train.backend.") and path != "train.backend.type"}
+
+
+def _switch_backend(data: dict[str, Any], kind: str) -> str:
+    """``--train-backend`` over a file naming another backend starts a fresh backend table (the old
+    backend's own settings would not fit the new one); only ``device`` carries over."""
+    train = data.setdefault("train", {})
+    backend = train.get("backend") or {}
+    if backend.get("type", "torch") != kind:
+        train["backend"] = {k: v for k, v in backend.items() if k == "device"}
+    return kind
+
+
+def _check_backend_flags(data: dict[str, Any]) -> None:
+    backend = (data.get("train") or {}).get("backend") or {}
+    if backend.get("type", "torch") == "deepspeed":
+        return
+    used = [_DEEPSPEED_FLAGS[k] for k in backend if k in _DEEPSPEED_FLAGS]
+    if used:
+        raise SystemExit(
+            f"{' / '.join(used)} configure the DeepSpeed trainer, but train.backend.type is "
+            f"{backend.get('type', 'torch')!r}: add --train-backend deepspeed"
+        )

@@ -12,7 +12,8 @@ Parts:
 - ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process) or
   ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches).
 - ``TrainConfig``: batch sizes, optimizer, loss union (``LossConfig``: grpo, dr_grpo, gspo,
-  reinforce_plus_plus), KL and entropy terms, rollout correction, trainer backend union.
+  reinforce_plus_plus, reinforce_plus_plus_baseline), KL and entropy terms, rollout correction, trainer backend union
+  (``TorchTrainerConfig`` or ``DeepSpeedTrainerConfig``).
 - ``EvalConfig``: held-out evaluation.
 - ``LoraConfig``: train a LoRA adapter (PEFT) instead of every weight of the policy.
 - ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
@@ -288,11 +289,86 @@ class TorchTrainerConfig(_Base):
     """Plain torch trainer: one process, AdamW, gradient accumulation over micro-batches."""
 
     type: Literal["torch"] = "torch"
+    """Trainer backend: ``torch`` or ``deepspeed`` (``--train-backend``)."""
     device: str = "cpu"
     """torch device of the trained model."""
 
 
-TrainerBackendConfig = Annotated[Union[TorchTrainerConfig], Field(discriminator="type")]
+# DeepSpeed config keys the trainer derives from the run config: config_overrides may not set them
+_DEEPSPEED_OWNED = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size / train.micro_batch_size",
+    "gradient_clipping": "train.clip_grad",
+    "optimizer": "train.lr / train.adam_beta1 / train.adam_beta2 / train.weight_decay",
+    "bf16": "train.backend.precision",
+    "fp16": "train.backend.precision",
+    "zero_optimization.stage": "train.backend.zero_stage",
+}
+
+
+class DeepSpeedTrainerConfig(_Base):
+    """DeepSpeed trainer: ZeRO stage 0-3, fp32 or bf16, torch AdamW, in one process or several.
+
+    The DeepSpeed JSON config is generated from ``[train]`` (micro-batch size, clipping, optimizer
+    settings) and these fields; ``config_overrides`` adds to it. With ``num_processes > 1`` the run
+    starts the ranks with ``launcher`` and drives them from its own process; rank 0 alone publishes
+    weights and reports metrics."""
+
+    type: Literal["deepspeed"] = "deepspeed"
+    """Trainer backend: ``torch`` or ``deepspeed`` (``--train-backend``)."""
+    zero_stage: int = Field(default=2, ge=0, le=3)
+    """ZeRO stage: 0 (plain data parallel), 1 (optimizer state sharded), 2 (+ gradients sharded),
+    3 (+ parameters sharded; exports gather them)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Training precision: ``fp32``, or ``bf16`` (bf16 weights and activations, fp32 master weights
+    and optimizer state)."""
+    num_processes: int = Field(default=1, ge=1)
+    """Data-parallel ranks (1: DeepSpeed runs inside the run's own process). Each optimizer
+    minibatch is split across the ranks; the update equals the one-process update."""
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    """How the ranks are started when ``num_processes > 1``: ``torchrun`` (``torch.distributed.run``)
+    or the ``deepspeed`` launcher, both on this machine."""
+    device: str = "cpu"
+    """torch device type of the trained model: ``cpu``, or ``cuda`` (rank r uses ``cuda:<local rank>``)."""
+    dist_backend: str | None = None
+    """torch.distributed backend (None: ``gloo`` on CPU, ``nccl`` on CUDA)."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """With ``num_processes > 1``: how long to wait for every rank to load the model and connect."""
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Extra DeepSpeed config, merged (nested tables key by key) into the generated JSON, e.g.
+    ``{zero_optimization = {reduce_bucket_size = 5e7}}`` or ``{wall_clock_breakdown = true}``.
+    Keys derived from the run config (micro-batch size, accumulation, clipping, optimizer,
+    precision, ZeRO stage) are refused: set their own fields instead."""
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _check_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        owned = []
+        for key, field in _DEEPSPEED_OWNED.items():
+            head, _, sub = key.partition(".")
+            value = overrides.get(head)
+            if head in overrides and (not sub or (isinstance(value, dict) and sub in value)):
+                owned.append(f"{key} (set {field})")
+        if owned:
+            raise ValueError(
+                f"config_overrides may not set keys the trainer derives from the run config: {', '.join(owned)}"
+            )
+        return overrides
+
+    @model_validator(mode="after")
+    def _check_device(self) -> DeepSpeedTrainerConfig:
+        if self.device.partition(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"train.backend.device={self.device!r}: the DeepSpeed trainer runs on 'cpu' or 'cuda'")
+        if ":" in self.device and self.num_processes > 1:
+            raise ValueError(
+                f"train.backend.device={self.device!r} names one device but num_processes={self.num_processes}: "
+                "use 'cuda' (rank r takes cuda:<local rank>)"
+            )
+        return self
+
+
+TrainerBackendConfig = Annotated[Union[TorchTrainerConfig, DeepSpeedTrainerConfig], Field(discriminator="type")]
 
 
 class _PPOClip(_Base):

@@ -3,6 +3,8 @@
 # torch 2.13.0 (CPU build) goes first; constraints.txt then holds it so nothing pulls a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# deepspeed: install the Python package only, no CUDA/C++ op builds (the trainer compiles none)
+export DS_BUILD_OPS=0
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -8,6 +8,9 @@
 - ``base``: ``TrainBatch`` and the ``Trainer`` protocol.
 - ``batch``: samples -> right-padded tensors aligned for next-token prediction.
 - ``torch_trainer``: ``TorchTrainer`` (one process, AdamW, gradient accumulation).
+- ``deepspeed_trainer``: ``DeepSpeedTrainer`` (TorchTrainer's loss on a DeepSpeed engine: ZeRO 0-3,
+  bf16, data parallel); ``launch``: ``LaunchedTrainer``, its ranks in other processes
+  (``worker``), when ``num_processes > 1``.
 - ``setup_trainer(train_cfg, model_dir, weight_store, dtype, lora)``: the trainer ``train_cfg.backend``
   names (``lora``: a ``LoraConfig`` to train an adapter instead of the full policy).
 
@@ -23,8 +26,11 @@ if TYPE_CHECKING:
     from miles_core.config import LoraConfig, TrainConfig
     from miles_core.train.base import Trainer
 
-# backend ``type`` -> "module:class", imported on first use
-_BACKENDS = {"torch": "miles_core.train.torch_trainer:TorchTrainer"}
+# backend ``type`` -> "module:factory" (a class or a function), imported on first use
+_BACKENDS = {
+    "torch": "miles_core.train.torch_trainer:TorchTrainer",
+    "deepspeed": "miles_core.train.launch:setup_deepspeed",
+}
 
 
 def setup_trainer(

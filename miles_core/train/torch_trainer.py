@@ -108,7 +108,7 @@ class TorchTrainer:
         self.policy_loss = setup_policy_loss(train_cfg.loss)
         self.weight_store = weight_store
         self.storage_options = storage_options or {}
-        self.device = torch.device(train_cfg.backend.device)
+        self.device = self._select_device(train_cfg)
         self.lora = lora
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dt)
         self.model = (model if lora is None else _wrap_lora(model, lora, train_cfg.seed)).to(self.device)
@@ -128,6 +128,10 @@ class TorchTrainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self._generator = torch.Generator().manual_seed(train_cfg.seed)
         self._version = initial_version
+
+    def _select_device(self, train_cfg: TrainConfig) -> torch.device:
+        """Where the model trains (a launched rank picks its own GPU)."""
+        return torch.device(train_cfg.backend.device)
 
     @property
     def version(self) -> int:

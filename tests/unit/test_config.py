@@ -10,6 +10,7 @@ import pytest
 
 from miles_core.cli import FLAGS, build_parser, resolve_config
 from miles_core.config import (
+    DeepSpeedTrainerConfig,
     DrGRPOLossConfig,
     FileDataConfig,
     GRPOLossConfig,
@@ -17,6 +18,7 @@ from miles_core.config import (
     ReinforcePPLossConfig,
     RunConfig,
     ToyDataConfig,
+    TorchTrainerConfig,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,3 +198,40 @@ def test_loss_settings_of_older_configs_say_where_they_moved(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)old.toml.*moved to the \[train.loss\] table: train.eps_clip -> "
                                          r"train.loss.eps_clip, train.loss_reducer -> train.loss.reducer"):
         RunConfig.from_toml(path)
+
+
+# ------------------------------------------------------------------------------ trainer backend
+
+
+def test_deepspeed_flags_set_the_backend_union(tmp_path):
+    cfg = _cfg("--train-backend", "deepspeed", "--zero-stage", "3", "--deepspeed-precision", "bf16",
+               "--trainer-processes", "2", "--trainer-launcher", "deepspeed")
+    backend = cfg.train.backend
+    assert isinstance(backend, DeepSpeedTrainerConfig)
+    assert (backend.zero_stage, backend.precision, backend.num_processes, backend.launcher) == (3, "bf16", 2, "deepspeed")
+    assert (backend.device, backend.dist_backend, backend.config_overrides) == ("cpu", None, {})
+    assert isinstance(_cfg().train.backend, TorchTrainerConfig)
+    # a file that picks deepspeed; --train-backend torch drops its DeepSpeed-only settings
+    path = tmp_path / "ds.toml"
+    path.write_text('[train.backend]\ntype = "deepspeed"\nzero_stage = 1\ndevice = "cpu"\n')
+    assert RunConfig.from_toml(path).train.backend.zero_stage == 1
+    assert isinstance(_cfg("--config", str(path), "--train-backend", "torch").train.backend, TorchTrainerConfig)
+    assert _cfg("--config", str(path), "--zero-stage", "0").train.backend.zero_stage == 0
+
+
+def test_bad_deepspeed_settings_are_refused():
+    with pytest.raises(SystemExit, match="--zero-stage configure the DeepSpeed trainer.*add --train-backend deepspeed"):
+        _cfg("--zero-stage", "3")
+    bad_flags = {"zero_stage": ["--zero-stage", "4"], "precision": ["--deepspeed-precision", "fp16"],
+                 "num_processes": ["--trainer-processes", "0"], "launcher": ["--trainer-launcher", "mpirun"]}
+    for field, flags in bad_flags.items():
+        with pytest.raises(ValueError, match=f"train.backend.deepspeed.{field}"):
+            _cfg("--train-backend", "deepspeed", *flags)
+    with pytest.raises(ValueError, match=r"may not set keys .*gradient_clipping \(set train.clip_grad\), "
+                                         r"zero_optimization.stage \(set train.backend.zero_stage\)"):
+        DeepSpeedTrainerConfig(config_overrides={"gradient_clipping": 2.0, "zero_optimization": {"stage": 3}})
+    DeepSpeedTrainerConfig(config_overrides={"zero_optimization": {"reduce_bucket_size": 1e6}})  # allowed
+    with pytest.raises(ValueError, match="runs on 'cpu' or 'cuda'"):
+        DeepSpeedTrainerConfig(device="mps")
+    with pytest.raises(ValueError, match="names one device but num_processes=2"):
+        DeepSpeedTrainerConfig(device="cuda:1", num_processes=2)
