@@ -29,8 +29,12 @@ def closing_sessions(monkeypatch):
     def close_and_keep(refs):
         session = run._SESSIONS.get(refs.run_dir)
         if session is not None:
+            trainer = session.trainer
+            # a launched trainer's model lives in its ranks, out of reach here: for it the test
+            # checks the engine's base and the published adapters only
+            model = getattr(trainer, "model", None)
             seen.append({
-                "trainer_base": _base_of(session.trainer.model),
+                "trainer_base": _base_of(model) if model is not None else None,
                 "engine_base": _base_of(session.engine.engine._base),  # PEFT wraps its modules in place
                 "engine_adapters": session.engine.adapters,
                 "policy_version": session.engine.weight_version,
@@ -59,8 +63,14 @@ def _assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     assert not changed, f"{what}: base weights changed: {changed[:5]}"
 
 
-@pytest.mark.parametrize("mode", ["sync", "fully_async"])
-def test_lora_run_improves_with_only_the_adapter_changing(prefect_backend, demo_model, tmp_path, closing_sessions, mode):
+DEEPSPEED_2 = {"type": "deepspeed", "zero_stage": 2, "num_processes": 2}
+
+
+@pytest.mark.parametrize(("mode", "backend"), [("sync", {"type": "torch"}), ("fully_async", {"type": "torch"}),
+                                               ("sync", DEEPSPEED_2)], ids=["sync", "fully_async", "sync-deepspeed-2"])
+def test_lora_run_improves_with_only_the_adapter_changing(
+    prefect_backend, demo_model, tmp_path, closing_sessions, mode, backend
+):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -68,7 +78,7 @@ def test_lora_run_improves_with_only_the_adapter_changing(prefect_backend, demo_
     from flows.train import train
     from miles_core.storage import WeightStore
 
-    cfg = _run_cfg(tmp_path, demo_model, mode, train={"lr": 3e-3, "micro_batch_size": 64}, lora=LORA,
+    cfg = _run_cfg(tmp_path, demo_model, mode, train={"lr": 3e-3, "micro_batch_size": 64, "backend": backend}, lora=LORA,
                    async_rollout={"max_weight_staleness": 2, "max_concurrent_samples": 128})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
@@ -77,7 +87,8 @@ def test_lora_run_improves_with_only_the_adapter_changing(prefect_backend, demo_
 
     original = AutoModelForCausalLM.from_pretrained(demo_model).state_dict()
     [seen] = closing_sessions
-    _assert_bit_identical(seen["trainer_base"], original, "trainer")
+    if seen["trainer_base"] is not None:
+        _assert_bit_identical(seen["trainer_base"], original, "trainer")
     _assert_bit_identical(seen["engine_base"], original, "engine")
     assert seen["engine_adapters"] == ["policy"] and seen["policy_version"] == 12
 
