@@ -57,11 +57,34 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_model(cfg.model))
         return 0
+    if args.command == "train-multi-lora":
+        if cfg.multi_lora is None:
+            print("error: train-multi-lora needs adapters: --lora-count N (with --lora-rank R), or a [multi_lora] "
+                  "section with adapters", file=sys.stderr)
+            return 2
+        from flows.multi_lora import train_multi_lora
+
+        print(format_multi_lora_summary(train_multi_lora(cfg)))
+        return 0
     from flows.train import train
 
     summary = train(cfg)
     print(format_summary(summary))
     return 0
+
+
+def format_multi_lora_summary(summary: dict) -> str:
+    from flows.multi_lora import accuracy_table
+
+    return "\n".join([
+        "",
+        "held-out accuracy per adapter (step 0: the base model)",
+        accuracy_table(summary),
+        "",
+        f"failed adapters  {', '.join(summary['failed_adapters']) or 'none'}",
+        f"run folder       {summary['run_dir']}  (adapters under adapters/<name>/, report in adapters.md)",
+        f"wall time        {summary['seconds']} s",
+    ])
 
 
 def format_summary(summary: dict) -> str:

@@ -97,6 +97,10 @@ FLAGS: dict[str, str] = {
     "--partial-rollout": "async_rollout.partial_rollout",
     "--no-progress-seconds": "async_rollout.no_progress_s",
     "--generation-retries": "async_rollout.generation_retries",
+    "--multi-lora-n-adapters": "multi_lora.n_adapters",
+    "--lora-count": "multi_lora.n_adapters",
+    "--multi-lora-rollout-source": "multi_lora.rollout_source",
+    "--multi-lora-lead-adapter": "multi_lora.lead_adapter",
     "--storage-root": "storage.root",
     "--storage-credentials-block": "storage.credentials_block",
     "--segment-compression": "storage.segment_compression",
@@ -173,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     helps = {
         "train": "run a training flow",
+        "train-multi-lora": "train several LoRA adapters over one rollout stream (--lora-count N or [multi_lora])",
         "show-config": "print the resolved run config as JSON (nothing runs)",
         "build-model": "build (or find in the cache) the starting model and print its folder",
         "config-doc": "print the config reference as markdown",

@@ -144,6 +144,13 @@ class RunSession:
         self._loop = None
         self._metrics: list[dict[str, Any]] = []
         self._evals: list[dict[str, Any]] = []
+        # fully async: how this session reads the stream (a multi-LoRA adapter session reads the
+        # run's shared stream under its own name, through its view, and checks the run's producer)
+        self.feed_reader = "trainer"
+        self.feed_view = None
+        self.producer_check = self._check_producer
+        self.owns_engine = True
+        """False for a session that borrows another session's engine (``close`` leaves it running)."""
 
     # -- lazily built parts
 
@@ -493,8 +500,10 @@ class RunSession:
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
             kwargs = {"warn": warn} if warn is not None else {}
-            self._feed = GroupFeed(self.stream, buffer, a, producer_check=self._check_producer, read_ahead=a.read_ahead,
-                                   **kwargs)
+            if self.feed_view is not None:
+                kwargs["view"] = self.feed_view
+            self._feed = GroupFeed(self.stream, buffer, a, reader=self.feed_reader, producer_check=self.producer_check,
+                                   read_ahead=a.read_ahead, **kwargs)
             self._producer_seen = (time.monotonic(), 0, 0.0)
         return self._feed
 
@@ -543,7 +552,7 @@ class RunSession:
     def close(self) -> None:
         if "_feed" in self.__dict__:
             self._feed.close()
-        if "engine" in self.__dict__:
+        if "engine" in self.__dict__ and self.owns_engine:
             self._loop.run(self.engine.close())
             self._loop.close()
         close_trainer = getattr(self.__dict__.get("trainer"), "close", None)

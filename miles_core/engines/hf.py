@@ -48,6 +48,7 @@ import os
 import posixpath
 import tempfile
 import threading
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -516,7 +517,9 @@ class HFEngine:
                 self.model = PeftModel.from_pretrained(self._base, folder, adapter_name=name).eval()
                 return
             if name in self.model.peft_config:  # a new version of a loaded adapter
-                self.model.delete_adapter(name)
+                with warnings.catch_warnings():  # PEFT warns that the deleted adapter was "active";
+                    warnings.simplefilter("ignore")  # batches name their adapters per row, none is active
+                    self.model.delete_adapter(name)
             self.model.load_adapter(folder, adapter_name=name)
             self.model.eval()
 

@@ -154,6 +154,11 @@ class RunLayout:
         atomic_write(self.fs, join(self.path, rel), json.dumps(obj, indent=2, sort_keys=True).encode())
         return self.url(rel)
 
+    def write_text(self, rel: str, text: str) -> str:
+        """Replace the text file ``rel`` under the run folder atomically (a report); returns its URL."""
+        atomic_write(self.fs, join(self.path, rel), text.encode())
+        return self.url(rel)
+
     def read_json(self, rel: str) -> Any | None:
         """The JSON file ``rel`` under the run folder, or None when it does not exist."""
         data = read_bytes(self.fs, join(self.path, rel))

@@ -235,3 +235,49 @@ def test_bad_deepspeed_settings_are_refused():
         DeepSpeedTrainerConfig(device="mps")
     with pytest.raises(ValueError, match="names one device but num_processes=2"):
         DeepSpeedTrainerConfig(device="cuda:1", num_processes=2)
+
+
+# ------------------------------------------------------------------------------------ multi-LoRA
+
+
+def test_multi_lora_flags_and_adapter_configs():
+    cfg = _cfg("--lora-rank", "4", "--lr", "1e-3", "--lora-count", "3", "--multi-lora-rollout-source", "per_adapter")
+    assert cfg.multi_lora.n_adapters == 3 and cfg.multi_lora.rollout_source == "per_adapter"
+    adapters = cfg.adapter_configs()
+    assert list(adapters) == ["adapter-0", "adapter-1", "adapter-2"]
+    for name, acfg in adapters.items():
+        assert acfg.lora.adapter_name == name and acfg.lora.rank == 4 and acfg.train.lr == 1e-3
+        assert acfg.mode == "fully_async" and acfg.multi_lora is None
+        assert acfg.train.use_tis is False  # per-adapter samples are on-policy for their adapter
+    assert _cfg("--lora-rank", "4", "--multi-lora-n-adapters", "2").multi_lora.names == ["adapter-0", "adapter-1"]
+
+
+def test_multi_lora_adapter_overrides_are_merged_and_validated():
+    raw = {"lora": {"rank": 4, "dropout": 0.1}, "train": {"lr": 1e-4, "kl_coef": 0.01},
+           "checkpoint": {"save_interval": 2},
+           "multi_lora": {"lead_adapter": "wide", "adapters": [
+               {"name": "wide", "lora": {"rank": 16}, "train": {"lr": 3e-3}},
+               {"name": "gspo", "train": {"loss": {"type": "gspo"}, "use_tis": False}}]}}
+    adapters = RunConfig.model_validate(raw).adapter_configs()
+    wide, gspo = adapters["wide"], adapters["gspo"]
+    assert (wide.lora.rank, wide.lora.dropout, wide.train.lr, wide.train.kl_coef) == (16, 0.1, 3e-3, 0.01)
+    assert wide.train.use_tis is True  # shared mode: the behaviour policy is not the adapter
+    assert gspo.train.loss.type == "gspo" and gspo.train.use_tis is False and gspo.train.lr == 1e-4
+    # the run saves each adapter's trainer itself; the adapters' own configs do not checkpoint
+    assert wide.checkpoint.save_interval is None
+
+    def refused(multi_lora, match, **extra):
+        with pytest.raises(ValueError, match=match):
+            RunConfig.model_validate({"lora": {"rank": 4}, "multi_lora": multi_lora, **extra})
+
+    refused({"n_adapters": 2, "adapters": [{"name": "x"}]}, "either n_adapters .* or an adapters list")
+    refused({}, "either n_adapters")
+    refused({"adapters": [{"name": "a1"}, {"name": "a1"}]}, "names must be unique; repeated: a1")
+    refused({"adapters": [{"name": "a/b"}]}, "adapter name 'a/b'")
+    refused({"adapters": [{"name": "a1", "lora": {"adapter_name": "zz"}}]}, "the adapter's name is its `name`")
+    refused({"adapters": [{"name": "a1", "lora": {"rnak": 3}}]}, "(?s)adapter 'a1'.*lora.rnak")
+    refused({"adapters": [{"name": "a1", "train": {"loss": {"type": "ppo"}}}]}, "(?s)adapter 'a1'.*train.loss")
+    refused({"n_adapters": 2, "lead_adapter": "x"}, "lead_adapter 'x' is not one of")
+    refused({"n_adapters": 2, "rollout_source": "per_adapter", "lead_adapter": "adapter-0"}, "only applies to")
+    with pytest.raises(ValueError, match="needs the adapters' base LoRA settings"):
+        RunConfig.model_validate({"multi_lora": {"n_adapters": 2}})
