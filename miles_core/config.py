@@ -642,6 +642,8 @@ class LoraConfig(_Base):
         # can be confused with that prefix; "__base__" is the engines' name for "no adapter"
         if not name or name in "lora_" or name == "__base__":
             raise ValueError(f"adapter_name {name!r} is empty, reserved or part of PEFT's 'lora_' prefix; pick another")
+        if "." in name:  # PEFT makes it a torch module name
+            raise ValueError(f"adapter_name {name!r} may not contain '.'")
         return name
 
     @property
@@ -655,7 +657,7 @@ class AdapterSpec(_Base):
 
     name: str
     """Adapter name: the engine serves it under this name, and its files are under
-    ``adapters/<name>/`` in the run folder (letters, digits, ``_``, ``-``, ``.``)."""
+    ``adapters/<name>/`` in the run folder (letters, digits, ``_``, ``-``)."""
     lora: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the run's ``[lora]`` settings (``rank``, ``alpha``, ``dropout``, ``target_modules``)."""
     train: dict[str, Any] = Field(default_factory=dict)
@@ -667,10 +669,9 @@ class AdapterSpec(_Base):
     def _check_name(cls, name: str) -> str:
         import re
 
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or name in "lora_" or name == "__base__":
-            raise ValueError(
-                f"adapter name {name!r}: use letters, digits, '_', '-', '.' (not first); not part of 'lora_'"
-            )
+        # a path part of the run folder, and a torch module name inside PEFT (no ".")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name) or name in "lora_" or name == "__base__":
+            raise ValueError(f"adapter name {name!r}: use letters, digits, '_' and '-' (not first); not part of 'lora_'")
         return name
 
     @field_validator("lora")
@@ -753,7 +754,9 @@ class RunConfig(_Base):
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of the full policy (None: full fine-tuning)."""
     multi_lora: MultiLoraConfig | None = None
-    """Train several LoRA adapters over one rollout stream (``miles train-multi-lora``; None: one policy)."""
+    """Train several LoRA adapters over one rollout stream (``miles train-multi-lora``; None: one policy).
+    Such a run is always fully async (``mode`` does not apply); ``checkpoint.save_interval`` saves
+    each adapter's trainer under ``adapters/<name>/checkpoints`` (resuming is not supported yet)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -780,7 +783,7 @@ class RunConfig(_Base):
             )
         if self.multi_lora is not None:
             self._check_multi_lora()
-        if self.mode == "fully_async" and self.checkpoint.save_interval is not None:
+        if self.mode == "fully_async" and self.checkpoint.save_interval is not None and self.multi_lora is None:
             raise ValueError(
                 "checkpoint.save_interval: fully_async runs cannot be checkpointed and resumed yet "
                 "(the producer's in-flight state is not part of a checkpoint); use sync or async mode"

@@ -116,8 +116,14 @@ class MultiLoraRun:
             routes = [PolicyRoute(ml.lead_adapter, self.adapters[ml.lead_adapter].engine)]
         else:
             routes = [PolicyRoute(None, shared.engine)]
-        per_step = self.cfg.rollout.rollout_batch_size * (len(self.names) if ml.rollout_source == "per_adapter" else 1)
-        capacity = max(1, round(self.cfg.async_rollout.buffer_capacity_factor * per_step))
+        a, batch = self.cfg.async_rollout, self.cfg.rollout.rollout_batch_size
+        if ml.rollout_source == "per_adapter":
+            # an adapter's batch is spread over about N * batch groups of the stream (plus a partly
+            # used segment per adapter): below that the slowest adapter could never fill its batch
+            n = len(self.names)
+            capacity = max(round(a.buffer_capacity_factor * batch * n), n * (batch + a.segment_max_groups))
+        else:
+            capacity = max(1, round(a.buffer_capacity_factor * batch))
         producer = RolloutProducer(
             shared.cfg, shared.engine, _PromptSupply(shared), shared.score, shared.stream, shared.layout, None,
             replace(shared.sampling, seed=self.cfg.seed * 1_000_003), consumer=self.live_cursor,

@@ -222,6 +222,8 @@ class ProducerStats:
     groups_written: int = 0
     segments_written: int = 0
     samples_finished: int = 0
+    response_tokens: int = 0
+    """Tokens generated into finished samples (kept, filtered or failed alike): the rollout cost."""
     samples_failed: int = 0
     generation_errors: int = 0
     groups_filtered: dict[str, int] = field(default_factory=dict)
@@ -508,6 +510,7 @@ class RolloutProducer:
                 self._unfinished.append(group)  # settled by _settle_on_stop
                 return
             self.stats.samples_finished += len(group.samples)
+            self.stats.response_tokens += sum(len(s.response_ids) for s in group.samples)
             self.stats.samples_failed += sum(s.status is SampleStatus.FAILED for s in group.samples)
             await self.reward([group])
             self.stats.groups_finished += 1

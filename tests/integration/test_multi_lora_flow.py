@@ -78,7 +78,7 @@ def test_per_adapter_rollouts_and_a_broken_adapter_fails_alone(prefect_backend, 
     adapters = [{"name": "left", "train": {"lr": 3e-3}}, {"name": "right", "train": {"lr": 3e-3}},
                 {"name": "broken", "lora": {"target_modules": ["no_such_proj"]}}]
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, rollout={"num_rollout": 6},
-                   eval={"eval_interval": None, "num_prompts": 64},
+                   eval={"eval_interval": None, "num_prompts": 64}, checkpoint={"save_interval": 3},
                    multi_lora={"adapters": adapters, "rollout_source": "per_adapter"},
                    async_rollout={"max_weight_staleness": 2, "max_concurrent_samples": 128})
     state = train_multi_lora(cfg, return_state=True)
@@ -98,6 +98,9 @@ def test_per_adapter_rollouts_and_a_broken_adapter_fails_alone(prefect_backend, 
     for name in ("left", "right"):
         rows = _rows(str(run_dir / "adapters" / name), "metrics.jsonl")
         assert max(r["staleness_max"] for r in rows) <= 2 and rows[-1]["version"] == 6
+        # its own checkpoints: the adapter and its optimizer state
+        checkpoints = sorted(p.name for p in (run_dir / "adapters" / name / "checkpoints").iterdir())
+        assert checkpoints == ["step-000003", "step-000006"]
     assert json.loads((run_dir / "summary.json").read_text())["failed_adapters"] == ["broken"]
     assert _child_flow_runs(state.state_details.flow_run_id) == {
         "left": "COMPLETED", "right": "COMPLETED", "broken": "FAILED"}

@@ -274,6 +274,7 @@ def test_multi_lora_adapter_overrides_are_merged_and_validated():
     refused({}, "either n_adapters")
     refused({"adapters": [{"name": "a1"}, {"name": "a1"}]}, "names must be unique; repeated: a1")
     refused({"adapters": [{"name": "a/b"}]}, "adapter name 'a/b'")
+    refused({"adapters": [{"name": "lr-0.003"}]}, "adapter name 'lr-0.003'")  # a torch module name in PEFT
     refused({"adapters": [{"name": "a1", "lora": {"adapter_name": "zz"}}]}, "the adapter's name is its `name`")
     refused({"adapters": [{"name": "a1", "lora": {"rnak": 3}}]}, "(?s)adapter 'a1'.*lora.rnak")
     refused({"adapters": [{"name": "a1", "train": {"loss": {"type": "ppo"}}}]}, "(?s)adapter 'a1'.*train.loss")

@@ -1,0 +1,162 @@
+"""Benchmark: N LoRA adapters over one shared rollout stream vs N separate single-adapter runs.
+
+Run: ``.venv/bin/python bench/multi_lora.py [--steps 12 --batch 32 --counts 1 2 4]``
+
+Workload: GRPO with LoRA (rank 8 on every linear layer) on the toy addition task with the built-in
+warm-started tiny model, ``--steps`` steps of ``--batch`` prompts x 8 samples per adapter, the
+adapters differing only in learning rate (3e-3, 2e-3, 1e-3, 5e-4, ...), every run fully async,
+with the ``nonzero_reward_std`` dynamic filter (groups whose 8 samples all score the same teach
+nothing and are dropped before training, so more groups are generated than trained, as in
+DAPO-style recipes); held-out evaluation only after the last step (256 prompts).
+
+- shared, N adapters: one ``train-multi-lora`` run (``rollout_source = "shared"``: generated once by
+  the base, every adapter trains on every group);
+- separate, N adapters: N ``train`` runs with LoRA, one after the other, one per learning rate.
+
+Per N it prints the wall time of the runs (from their start to their summary, Prefect's server
+start excluded), the tokens the rollout engine generated (every finished sample, kept or filtered),
+the ratios shared / separate, and each adapter's held-out accuracy after training. Goal (from the
+issue): rollout tokens constant in N for shared runs, and wall time for N = 4 at most 0.4 x that of
+4 separate runs. Writes the table to ``bench/results/multi_lora.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LRS = [3e-3, 2e-3, 1e-3, 5e-4, 3e-4, 2e-4, 1e-4, 5e-5]
+LORA = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def base_config(args: argparse.Namespace, model_dir: str, root: str, name: str) -> dict:
+    return {
+        "name": name,
+        "mode": "fully_async",
+        "seed": args.seed,
+        "model": {"path": model_dir},
+        "data": {"type": "toy"},
+        "rollout": {"num_rollout": args.steps, "rollout_batch_size": args.batch, "n_samples_per_prompt": 8,
+                    "rollout_max_response_len": 6},
+        "train": {"lr": LRS[0], "micro_batch_size": 64},
+        "lora": LORA,
+        "engine": {"type": "hf", "num_threads": 2},
+        "eval": {"eval_interval": None, "num_prompts": 256, "skip_eval_before_train": True},
+        "async_rollout": {"max_concurrent_samples": args.batch * 8, "max_weight_staleness": 4,
+                          "dynamic_filters": ["nonzero_reward_std"]},
+        "storage": {"root": root},
+    }
+
+
+def producer_tokens(run_dir: str) -> int:
+    state = json.loads((Path(run_dir) / "state" / "producer.json").read_text())
+    return int(state["stats"]["response_tokens"])
+
+
+def train_seconds(metrics_files: list[Path]) -> float:
+    """Median seconds of one adapter's train step (steps after the first two) over the runs' metrics."""
+    import statistics
+
+    times = [json.loads(line)["train_seconds"] for f in metrics_files for line in f.read_text().splitlines()[2:]]
+    return statistics.median(times)
+
+
+def run_shared(n: int, args, model_dir: str, root: str) -> dict:
+    from flows.multi_lora import train_multi_lora
+    from miles_core.config import RunConfig
+
+    raw = base_config(args, model_dir, root, f"bench-shared-{n}")
+    raw["multi_lora"] = {"adapters": [{"name": f"lr-{lr:.0e}".replace("e-0", "e-"), "train": {"lr": lr}}
+                                      for lr in LRS[:n]]}
+    summary = train_multi_lora(RunConfig.model_validate(raw))
+    return {"wall": summary["seconds"], "tokens": producer_tokens(summary["run_dir"]),
+            "accuracy": [a["accuracy_after"] for a in summary["adapters"]],
+            "train": train_seconds([Path(a["folder"]) / "metrics.jsonl" for a in summary["adapters"]])}
+
+
+def run_separate(lr: float, args, model_dir: str, root: str) -> dict:
+    from flows.train import train
+    from miles_core.config import RunConfig
+
+    raw = base_config(args, model_dir, root, f"bench-separate-{lr:.0e}")
+    raw["train"]["lr"] = lr
+    summary = train(RunConfig.model_validate(raw))
+    return {"wall": summary["seconds"], "tokens": producer_tokens(summary["run_dir"]),
+            "accuracy": [summary["accuracy_after"]], "train": train_seconds([Path(summary["run_dir"]) / "metrics.jsonl"])}
+
+
+def render(rows: list[dict], args) -> str:
+    lines = [
+        f"Workload: toy addition, built-in tiny model, LoRA rank 8, {args.steps} steps of {args.batch} prompts x 8 "
+        f"samples per adapter, fully async, nonzero_reward_std filter, adapters differing in learning rate "
+        f"({', '.join(f'{lr:g}' for lr in LRS[:max(args.counts)])}); in-process engine; seed {args.seed}.",
+        "",
+        "| adapters | shared: wall | separate: wall | wall shared / separate | shared: rollout tokens | "
+        "separate: rollout tokens | tokens shared / separate | train step, shared | train step, separate | "
+        "held-out accuracy after (shared) | (separate) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        acc = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+        lines.append(
+            f"| {r['n']} | {r['shared']['wall']:.1f} s | {r['separate']['wall']:.1f} s | "
+            f"{r['shared']['wall'] / r['separate']['wall']:.2f} | {r['shared']['tokens']:,} | {r['separate']['tokens']:,} | "
+            f"{r['shared']['tokens'] / r['separate']['tokens']:.2f} | {r['shared']['train']:.2f} s | "
+            f"{r['separate']['train']:.2f} s | {acc(r['shared']['accuracy'])} | "
+            f"{acc(r['separate']['accuracy'])} |"
+        )
+    tokens = [r["shared"]["tokens"] for r in rows]
+    four = next((r for r in rows if r["n"] == 4), None)
+    lines += ["", "Goals (from the issue):",
+              f"- shared rollout tokens constant in N: {'MET' if max(tokens) <= 1.1 * min(tokens) else 'NOT MET'} "
+              f"({', '.join(f'{t:,}' for t in tokens)}; within 10%)"]
+    if four is not None:
+        ratio = four["shared"]["wall"] / four["separate"]["wall"]
+        lines.append(f"- wall time for N = 4 <= 0.4 x 4 separate runs: {'MET' if ratio <= 0.4 else 'NOT MET'} ({ratio:.2f}x)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from miles_core.config import ModelConfig
+    from miles_core.models.tiny import ensure_model
+
+    model_dir = str(ensure_model(ModelConfig(), log=lambda *_: None))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-multi-lora-") as root, prefect_test_harness(server_startup_timeout=120):
+        separate = [run_separate(lr, args, model_dir, root) for lr in LRS[: max(args.counts)]]
+        for n in args.counts:
+            parts = separate[:n]
+            rows.append({
+                "n": n,
+                "shared": run_shared(n, args, model_dir, root),
+                "separate": {"wall": sum(p["wall"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
+                             "accuracy": [a for p in parts for a in p["accuracy"]],
+                             "train": statistics.median(p["train"] for p in parts)},
+            })
+    table = render(rows, args)
+    print(table)
+    out = Path(__file__).resolve().parent / "results" / "multi_lora.md"
+    out.write_text(f"`.venv/bin/python bench/multi_lora.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
