@@ -29,8 +29,15 @@ from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.run import RunRefs, checkpoint_due
-from tasks.multi_lora import evaluate_adapter, evaluate_base, rollout_producer, save_adapter_checkpoint, train_adapter
-from tasks.train import check_data, prepare_run
+from tasks.multi_lora import (
+    check_data,
+    evaluate_adapter,
+    evaluate_base,
+    rollout_producer,
+    save_adapter_checkpoint,
+    train_adapter,
+)
+from tasks.train import prepare_run
 
 
 def _eval_due(cfg: RunConfig, step: int) -> bool:

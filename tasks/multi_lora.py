@@ -19,6 +19,11 @@ def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
     return run.shared.run_producer()
 
 
+@task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
+def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
+    return get_multi_lora_run(cfg, refs).shared.check_data()
+
+
 @task(name="evaluate-base", cache_policy=NO_CACHE, task_run_name="evaluate-base")
 def evaluate_base(cfg: RunConfig, refs: RunRefs) -> dict[str, float]:
     """The base model on the held-out prompts: every adapter's version 0."""

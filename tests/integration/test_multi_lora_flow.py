@@ -104,3 +104,16 @@ def test_per_adapter_rollouts_and_a_broken_adapter_fails_alone(prefect_backend, 
     assert json.loads((run_dir / "summary.json").read_text())["failed_adapters"] == ["broken"]
     assert _child_flow_runs(state.state_details.flow_run_id) == {
         "left": "COMPLETED", "right": "COMPLETED", "broken": "FAILED"}
+
+
+def test_a_dead_producer_fails_the_run_with_its_own_error(prefect_backend, demo_model, tmp_path):
+    from flows.multi_lora import train_multi_lora
+
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, multi_lora={"n_adapters": 2},
+                   rollout={"num_rollout": 3, "reward_post_process_path": "test_modes:explode"},
+                   eval={"eval_interval": None, "skip_eval_before_train": True},
+                   async_rollout={"no_progress_s": 1})
+    state = train_multi_lora(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="reward post-process exploded"):
+        state.result()
