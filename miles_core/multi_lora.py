@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from miles_core.config import RunConfig
-from miles_core.run import RunRefs, RunSession, _built_once, _PromptSupply
+from miles_core.run import RunRefs, RunRegistry, RunSession, _built_once, _PromptSupply
 
 
 def adapter_reader(name: str) -> str:
@@ -154,22 +154,9 @@ class MultiLoraRun:
         self.shared.close()
 
 
-_RUNS: dict[str, MultiLoraRun] = {}
-_RUNS_LOCK = threading.Lock()
-
-
-def get_multi_lora_run(cfg: RunConfig, refs: RunRefs) -> MultiLoraRun:
-    with _RUNS_LOCK:
-        if refs.run_dir not in _RUNS:
-            _RUNS[refs.run_dir] = MultiLoraRun(cfg, refs)
-        return _RUNS[refs.run_dir]
-
-
-def close_multi_lora_run(refs: RunRefs) -> None:
-    with _RUNS_LOCK:
-        run = _RUNS.pop(refs.run_dir, None)
-    if run is not None:
-        run.close()
+_RUNS = RunRegistry(MultiLoraRun)
+get_multi_lora_run = _RUNS.get
+close_multi_lora_run = _RUNS.close
 
 
 def adapter_summary(session: AdapterSession, before: dict[str, Any] | None, error: str | None) -> dict[str, Any]:

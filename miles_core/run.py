@@ -581,20 +581,29 @@ class _PromptSupply:
         self.session.source.load_state(state)
 
 
-_SESSIONS: dict[str, RunSession] = {}
-_SESSIONS_LOCK = threading.Lock()
+class RunRegistry:
+    """The process's live objects of one kind (sessions, multi-LoRA runs), one per run folder:
+    ``get`` builds it on first use (``factory(cfg, refs)``), ``close`` drops and closes it."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.live: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, cfg: RunConfig, refs: RunRefs):
+        with self._lock:
+            if refs.run_dir not in self.live:
+                self.live[refs.run_dir] = self.factory(cfg, refs)
+            return self.live[refs.run_dir]
+
+    def close(self, refs: RunRefs) -> None:
+        with self._lock:
+            obj = self.live.pop(refs.run_dir, None)
+        if obj is not None:
+            obj.close()
 
 
-def get_session(cfg: RunConfig, refs: RunRefs) -> RunSession:
-    with _SESSIONS_LOCK:
-        if refs.run_dir not in _SESSIONS:
-            _SESSIONS[refs.run_dir] = RunSession(cfg, refs)
-        return _SESSIONS[refs.run_dir]
-
-
-def close_session(refs: RunRefs) -> None:
-    with _SESSIONS_LOCK:
-        session = _SESSIONS.pop(refs.run_dir, None)
-    if session is not None:
-        session.close()
+_SESSIONS = RunRegistry(RunSession)
+get_session = _SESSIONS.get
+close_session = _SESSIONS.close
 

@@ -227,7 +227,12 @@ class HFEngine:
             raise ValueError(f"adapter name {name!r} is reserved, empty or part of PEFT's 'lora_' prefix; pick another")
         async with self._lock:
             self._ensure_open()
-            await _in_thread(self._install_adapter, name, uri)
+            try:
+                await _in_thread(self._install_adapter, name, uri)
+            except BaseException:
+                if name not in self.adapters:  # a replacement that failed half way: the name is gone
+                    self._adapter_versions.pop(name, None)
+                raise
             self._adapter_versions[name] = version
 
     @property
@@ -324,8 +329,11 @@ class HFEngine:
             raise RuntimeError("HFEngine is closed")
 
     def _check_request(self, req: GenerateRequest) -> None:
-        if req.adapter is not None and req.adapter not in self.adapters:
-            loaded = ", ".join(self.adapters) or "none"
+        # the names loaded so far, not the model's adapters right now: while a new version replaces
+        # an adapter (under the lock) its name is briefly missing from the model, and a request
+        # for it waits for the lock like any other
+        if req.adapter is not None and req.adapter not in self._adapter_versions:
+            loaded = ", ".join(sorted(self._adapter_versions)) or "none"
             raise ValueError(
                 f"request {req.rid!r} asks for adapter {req.adapter!r}, which is not loaded (loaded: {loaded}); "
                 "call load_adapter(name, uri) first"

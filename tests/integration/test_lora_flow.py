@@ -27,7 +27,7 @@ def closing_sessions(monkeypatch):
     seen = []
 
     def close_and_keep(refs):
-        session = run._SESSIONS.get(refs.run_dir)
+        session = run._SESSIONS.live.get(refs.run_dir)
         if session is not None:
             trainer = session.trainer
             # a launched trainer's model lives in its ranks, out of reach here: for it the test

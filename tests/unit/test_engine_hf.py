@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import math
 
 import pytest
@@ -113,6 +114,37 @@ def test_loading_an_adapter_again_replaces_it(tiny_model_dir, engine, tmp_path):
         _flat(first)), "the same adapter files give the same policy under any name"
     assert [r.logprobs for r in second] != [r.logprobs for r in first]
     assert engine.adapters == ["math", "other"]
+
+
+def test_a_request_during_an_adapter_replacement_waits_for_the_new_version(tiny_model_dir, engine, tmp_path):
+    """Replacing an adapter removes its name from the model for a moment (under the engine's lock);
+    a request for it arriving then is not refused: it waits and runs on the new version."""
+    import threading
+
+    asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "v1", seed=1), version=1))
+    v2 = make_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
+    install, mid_replacement = engine._install_adapter, threading.Event()
+
+    def slow_install(name, uri):  # the replacement, held between removing the old version and adding the new
+        engine.model.delete_adapter(name)
+        mid_replacement.set()
+        time.sleep(0.3)
+        install(name, uri)
+
+    engine._install_adapter = slow_install
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+
+    async def scenario():
+        load = asyncio.ensure_future(engine.load_adapter("math", v2, version=2))
+        while not mid_replacement.is_set():
+            await asyncio.sleep(0.005)
+        assert "math" not in engine.adapters  # the name is gone from the model right now
+        got = await engine.generate([GenerateRequest(prompt, greedy_params(), rid="r", adapter="math")])
+        await load
+        return got
+
+    (result,) = asyncio.run(scenario())
+    assert result.weight_version == 2
 
 
 def test_adapters_load_from_a_weight_store_version_and_survive_base_updates(tiny_model_dir, engine, tmp_path):
