@@ -10,7 +10,11 @@
 Sync mode, per step k: ``rollout-k`` (generate + reward, one segment appended to the run's sample
 stream) -> ``train-k`` (read that segment, optimizer step(s), publish weights version v) ->
 ``push-weights-v`` (the engine loads v from the weight store). Held-out evaluation runs before
-training, every ``eval.eval_interval`` steps and after the last step; a checkpoint is saved every
+training, every ``eval.eval_interval`` steps and after the last step: by default each in-run
+evaluation is an ``evaluate`` subflow on the run's own evaluation engine, which loads the version
+just published (pinned in the weight store meanwhile) while training goes on (``InRunEvals``:
+``eval.max_in_flight``, ``eval.overflow``); with ``eval.engine = "shared"`` it runs on the rollout
+engine between steps (fully async: the producer pauses meanwhile). A checkpoint is saved every
 ``checkpoint.save_interval`` steps and after the last one. Per-step metrics go to
 ``metrics.jsonl`` in the run folder and to Prefect artifacts (a progress bar during the run, a
 metrics table and a markdown summary at the end).
@@ -21,8 +25,10 @@ evaluation before training. A run with steps done but no checkpoint fails rather
 """
 
 
+import contextvars
 import time
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -34,6 +40,7 @@ from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, g
 from tasks.train import (
     check_data,
     evaluate,
+    evaluate_version,
     prepare_run,
     push_weights,
     resume_run,
@@ -88,19 +95,21 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         progress = create_progress_artifact(100.0 * start / total, key=None,
                                             description=f"{cfg.name}: steps done out of {total}")
         before = _before_training(cfg, refs, session, start, log)
-        after = session.eval_rows[-1] if session.eval_rows else None
         steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
-        for step, row, r in steps(cfg, refs, session, start):
-            if _due(cfg, step):
-                after = _evaluate_now(cfg, refs, session, step + 1)
-                row["eval_accuracy"] = after["accuracy"]
-            session.record(step + 1, row)
-            if r is not None and checkpoint_due(cfg, step + 1):
-                save_checkpoint(cfg, refs, step + 1, r)
-            log.info(_step_line(step, total, row))
-            if "eval_accuracy" in row:
-                log.info(_eval_line(f"after step {step + 1}", after))
-            update_progress_artifact(progress, 100.0 * (step + 1) / total)
+        with InRunEvals(cfg, refs, log) as evals:
+            for step, row, r in steps(cfg, refs, session, start):
+                if _due(cfg, step) and cfg.eval.engine == "shared":
+                    row["eval_accuracy"] = _evaluate_now(cfg, refs, session, step + 1)["accuracy"]
+                elif _due(cfg, step):  # on its own engine, beside the next steps
+                    evals.submit(step + 1, row["version"], final=step + 1 == total)
+                session.record(step + 1, row)
+                if r is not None and checkpoint_due(cfg, step + 1):
+                    save_checkpoint(cfg, refs, step + 1, r)
+                log.info(_step_line(step, total, row))
+                if "eval_accuracy" in row:
+                    log.info(_eval_line(f"after step {step + 1}", session.eval_rows[-1]))
+                update_progress_artifact(progress, 100.0 * (step + 1) / total)
+        after = session.eval_rows[-1] if session.eval_rows else None
         summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
         session.finish(summary)
         _publish_artifacts(cfg, summary, session)
@@ -176,9 +185,54 @@ def _with_idle(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+@flow(name="evaluate", flow_run_name="{cfg.name}-step-{step}", validate_parameters=False)
+def evaluate_snapshot(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> dict[str, float]:
+    """Evaluate weights ``version`` (after ``step`` steps) on the run's evaluation engine."""
+    metrics = evaluate_version(cfg, refs, step, version)
+    get_run_logger().info(_eval_line(f"after step {step}", metrics))
+    return metrics
+
+
+class InRunEvals:
+    """In-run evaluations on the separate engine: each an ``evaluate`` subflow of the run, on a
+    thread of its own, so training goes on meanwhile. At most ``eval.max_in_flight`` run at once;
+    one more waits for the oldest (``overflow = "backpressure"``) or is skipped (``"skip"``, never
+    the final step's). Leaving the block waits for all of them and raises the first failure."""
+
+    def __init__(self, cfg: RunConfig, refs: RunRefs, log) -> None:
+        self.cfg, self.refs, self.log = cfg, refs, log
+        self.limit, self.overflow = cfg.eval.max_in_flight, cfg.eval.overflow
+        self.futures: list[Future] = []
+        self.skipped: list[int] = []
+
+    def __enter__(self) -> "InRunEvals":
+        self.pool = ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix="eval")
+        return self
+
+    def submit(self, step: int, version: int, final: bool) -> None:
+        running = [f for f in self.futures if not f.done()]
+        if len(running) >= self.limit:
+            if self.overflow == "skip" and not final:
+                self.skipped.append(step)
+                self.log.warning("evaluation after step %d skipped: %d still running (eval.overflow = skip)",
+                                 step, len(running))
+                return
+            wait(running, return_when=FIRST_COMPLETED)
+        # a copy of this flow's context per thread: the subflow is a child of the run
+        self.futures.append(self.pool.submit(contextvars.copy_context().run, evaluate_snapshot, self.cfg, self.refs,
+                                             step, version, return_state=True))
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True)
+        if exc[0] is None:
+            for future in self.futures:
+                future.result().result()  # a failed evaluation fails the run with its error
+
+
 def _evaluate_now(cfg: RunConfig, refs: RunRefs, session, step: int) -> dict[str, float]:
-    """Evaluate the trainer's latest weights. In fully-async mode the producer is paused while
-    evaluation borrows the engine (and the engine is brought to the latest version first)."""
+    """``eval.engine = "shared"``: evaluate the trainer's latest weights on the rollout engine. In
+    fully-async mode the producer is paused while evaluation borrows the engine (and the engine is
+    brought to the latest version first)."""
     if cfg.mode != "fully_async":
         return evaluate(cfg, refs, step)
     session.pause_producer()

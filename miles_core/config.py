@@ -579,6 +579,21 @@ class EvalConfig(_Base):
     """Reward function of evaluation (None: same as rollout)."""
     skip_eval_before_train: bool = False
     """Skip the evaluation of the starting policy."""
+    engine: Literal["separate", "shared"] = "separate"
+    """Where in-run evaluations generate. ``separate``: an evaluation engine of the run's own (built
+    like the rollout engine, or from ``engine_config``), which loads the evaluated version from the
+    weight store (pinned there while in use), in an ``evaluate`` subflow beside training: nothing
+    waits for it. ``shared``: the rollout engine, between training steps (fully async: the producer
+    pauses while evaluation borrows the engine)."""
+    engine_config: EngineConfig | None = None
+    """The separate evaluation engine (None: the rollout engine's settings; a rollout engine at a
+    server ``url`` needs its own here, since one server holds one version)."""
+    max_in_flight: int = Field(default=1, ge=1)
+    """Separate engine: evaluations running at once (they take turns on the engine)."""
+    overflow: Literal["backpressure", "skip"] = "backpressure"
+    """Separate engine, when ``max_in_flight`` evaluations are running and another is due:
+    ``backpressure`` waits for the oldest to finish, ``skip`` skips this one (the final step's
+    evaluation is never skipped)."""
 
 
 # ----------------------------------------------------------------------------------- checkpoint
@@ -787,6 +802,11 @@ class RunConfig(_Base):
             raise ValueError(
                 "checkpoint.save_interval: fully_async runs cannot be checkpointed and resumed yet "
                 "(the producer's in-flight state is not part of a checkpoint); use sync or async mode"
+            )
+        if self.eval.engine == "separate" and self.eval.engine_config is None and getattr(self.engine, "url", None):
+            raise ValueError(
+                f"eval.engine = 'separate' needs an evaluation engine of its own, but the rollout engine is the "
+                f"server at {self.engine.url}: set eval.engine_config (e.g. another server's url) or eval.engine = 'shared'"
             )
         if self.mode == "fully_async" and self.rollout.rollout_function_path:
             raise ValueError(

@@ -151,6 +151,8 @@ class RunSession:
         self.producer_check = self._check_producer
         self.owns_engine = True
         """False for a session that borrows another session's engine (``close`` leaves it running)."""
+        self._eval_lock = threading.Lock()
+        self._evals_lock = threading.Lock()
 
     # -- lazily built parts
 
@@ -341,7 +343,42 @@ class RunSession:
         return time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Evaluate the engine's current weights on the held-out prompts (all of them in one call)."""
+        """Evaluate the rollout engine's current weights on the held-out prompts (in one call)."""
+        return self._evaluate_on(self.engine, step)
+
+    @_built_once
+    def eval_engine(self):
+        """The separate evaluation engine (``eval.engine = "separate"``), on the session's loop; with
+        LoRA, the run's adapter of it."""
+        from miles_core.engines import setup_engine
+
+        self.engine  # noqa: B018 (the loop comes with the rollout engine)
+        engine = setup_engine(self.cfg.eval.engine_config or self.cfg.engine, self.refs.model_dir, self.cfg.model.dtype,
+                              self.cfg.seed, self.cfg.storage.storage_options)
+        if self.cfg.lora is not None:
+            from miles_core.engines.policy import AdapterPolicy
+
+            engine = AdapterPolicy(engine, self.cfg.lora.adapter_name)
+        return engine
+
+    def evaluate_version(self, step: int, version: int) -> dict[str, float]:
+        """Evaluate weights ``version`` on the separate evaluation engine, which loads it from the
+        weight store; the version is pinned there meanwhile (retention keeps it). Evaluations take
+        turns on the engine; training and rollouts go on."""
+        reader = f"eval-step-{step}"
+        if version > 0:
+            self.weights.pin(version, reader)
+        try:
+            with self._eval_lock:
+                engine = self.eval_engine
+                if engine.weight_version != version:
+                    self._run(engine.update_weights(self._weights_uri(version), version))
+                return self._evaluate_on(engine, step)
+        finally:
+            if version > 0:
+                self.weights.unpin(version, reader)
+
+    def _evaluate_on(self, engine, step: int) -> dict[str, float]:
         from miles_core.eval.metrics import eval_metrics
         from miles_core.rewards import score_groups
 
@@ -350,14 +387,14 @@ class RunSession:
         params = sampling_params(ev.max_response_len or self.cfg.rollout.rollout_max_response_len, ev.temperature,
                                  stop=self.cfg.rollout.rollout_stop,
                                  stop_token_ids=self.cfg.rollout.rollout_stop_token_ids)
-        groups = self._run(
-            generate_groups(self.engine, self.eval_items, ev.n_samples_per_prompt, params, 0, seed=self.cfg.seed)
-        )
+        groups = self._run(generate_groups(engine, self.eval_items, ev.n_samples_per_prompt, params, 0, seed=self.cfg.seed))
         self._run(score_groups(self.eval_reward_fn, groups))
-        metrics = eval_metrics(groups, self.engine.weight_version)
+        metrics = eval_metrics(groups, engine.weight_version)
         metrics.update(step=float(step), eval_seconds=time.perf_counter() - t0)
-        self._evals.append(metrics)
-        self.layout.write_jsonl("eval.jsonl", self._evals)
+        with self._evals_lock:  # evaluations may finish in any order: the history stays sorted by step
+            self._evals.append(metrics)
+            self._evals.sort(key=lambda e: e["step"])
+            self.layout.write_jsonl("eval.jsonl", self._evals)
         return metrics
 
     def record(self, step: int, row: dict[str, Any]) -> None:
@@ -552,6 +589,8 @@ class RunSession:
     def close(self) -> None:
         if "_feed" in self.__dict__:
             self._feed.close()
+        if "eval_engine" in self.__dict__:
+            self._loop.run(self.eval_engine.close())
         if "engine" in self.__dict__ and self.owns_engine:
             self._loop.run(self.engine.close())
             self._loop.close()

@@ -46,6 +46,12 @@ def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
     return get_session(cfg, refs).evaluate(step)
 
 
+@task(name="evaluate-version", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
+def evaluate_version(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> dict[str, float]:
+    """Evaluate weights ``version`` on the run's separate evaluation engine (pinned while in use)."""
+    return get_session(cfg, refs).evaluate_version(step, version)
+
+
 @task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
 def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: RolloutRef) -> str:
     return get_session(cfg, refs).save_checkpoint(step, rollout_ref.source_state)

@@ -37,7 +37,8 @@ def closing_sessions(monkeypatch):
                 "trainer_base": _base_of(model) if model is not None else None,
                 "engine_base": _base_of(session.engine.engine._base),  # PEFT wraps its modules in place
                 "engine_adapters": session.engine.adapters,
-                "policy_version": session.engine.weight_version,
+                "eval_engine_base": _base_of(session.eval_engine.engine._base),
+                "eval_engine_version": session.eval_engine.weight_version,
             })
         run.close_session(refs)
 
@@ -78,7 +79,7 @@ def test_lora_run_improves_with_only_the_adapter_changing(
     from flows.train import train
     from miles_core.storage import WeightStore
 
-    cfg = _run_cfg(tmp_path, demo_model, mode, train={"lr": 3e-3, "micro_batch_size": 64, "backend": backend}, lora=LORA,
+    cfg = _run_cfg(tmp_path, demo_model, mode, train={"lr": 3e-3, "micro_batch_size": 64, "backend": backend, "use_tis": mode == "fully_async"}, lora=LORA,
                    async_rollout={"max_weight_staleness": 2, "max_concurrent_samples": 128})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
@@ -90,7 +91,9 @@ def test_lora_run_improves_with_only_the_adapter_changing(
     if seen["trainer_base"] is not None:
         _assert_bit_identical(seen["trainer_base"], original, "trainer")
     _assert_bit_identical(seen["engine_base"], original, "engine")
-    assert seen["engine_adapters"] == ["policy"] and seen["policy_version"] == 12
+    _assert_bit_identical(seen["eval_engine_base"], original, "evaluation engine")
+    # the rollout engine serves the adapter by name; the evaluation engine evaluated the last version
+    assert seen["engine_adapters"] == ["policy"] and seen["eval_engine_version"] == 12
 
     # every version is an adapter folder: LoRA weights only, loadable by PEFT as it is
     store = WeightStore(str(Path(summary["run_dir"]) / "weights"))

@@ -282,3 +282,17 @@ def test_multi_lora_adapter_overrides_are_merged_and_validated():
     refused({"n_adapters": 2, "rollout_source": "per_adapter", "lead_adapter": "adapter-0"}, "only applies to")
     with pytest.raises(ValueError, match="needs the adapters' base LoRA settings"):
         RunConfig.model_validate({"multi_lora": {"n_adapters": 2}})
+
+
+def test_in_run_evaluation_settings():
+    cfg = _cfg("--eval-engine", "separate", "--eval-max-in-flight", "2", "--eval-overflow", "skip")
+    assert (cfg.eval.engine, cfg.eval.max_in_flight, cfg.eval.overflow) == ("separate", 2, "skip")
+    assert RunConfig().eval.engine == "separate" and RunConfig().eval.overflow == "backpressure"
+    with pytest.raises(ValueError, match="eval.max_in_flight"):
+        _cfg("--eval-max-in-flight", "0")
+    # a rollout engine that is a running server holds one version: evaluation needs its own engine
+    server = {"engine": {"type": "sglang", "url": "http://127.0.0.1:30000"}}
+    with pytest.raises(ValueError, match="set eval.engine_config .* or eval.engine = 'shared'"):
+        RunConfig.model_validate(server)
+    RunConfig.model_validate({**server, "eval": {"engine": "shared"}})
+    RunConfig.model_validate({**server, "eval": {"engine_config": {"type": "sglang", "url": "http://127.0.0.1:30001"}}})

@@ -176,7 +176,7 @@ def test_weight_version_strings():
 
 
 def test_config_variants():
-    cfg = RunConfig.model_validate({"engine": {"type": "sglang", "url": "http://h:30000"}})
+    cfg = RunConfig.model_validate({"engine": {"type": "sglang", "url": "http://h:30000"}, "eval": {"engine": "shared"}})
     assert isinstance(cfg.engine, SGLangEngineConfig) and cfg.engine.url == "http://h:30000"
     assert RunConfig.model_validate(cfg.model_dump()).engine == cfg.engine  # a dumped config reloads
     launched = SGLangEngineConfig(cpu_affinity=[1], num_threads=1)
