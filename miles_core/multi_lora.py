@@ -90,6 +90,14 @@ class MultiLoraRun:
         self.finished: dict[str, str | None] = {}
         """Adapters that left the run: name -> None (done) or the error that failed it."""
 
+    def check_data(self) -> dict[str, int]:
+        """Load the prompts now (a bad dataset fails the run before any work) and record each
+        adapter's own config in ``adapters/<name>/config.json``."""
+        configs = self.cfg.adapter_configs()
+        for name, session in self.adapters.items():
+            session.layout.write_json("config.json", configs[name].public_dict())
+        return self.shared.check_data()
+
     # -- the producer
 
     def live_cursor(self) -> int:

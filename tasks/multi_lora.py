@@ -21,7 +21,7 @@ def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
 
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
 def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
-    return get_multi_lora_run(cfg, refs).shared.check_data()
+    return get_multi_lora_run(cfg, refs).check_data()
 
 
 @task(name="evaluate-base", cache_policy=NO_CACHE, task_run_name="evaluate-base")

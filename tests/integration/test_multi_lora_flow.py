@@ -58,6 +58,7 @@ def test_four_adapters_share_one_rollout_stream_and_the_sensible_ones_improve(pr
         rows = _rows(str(folder), "metrics.jsonl")
         assert [r["step"] for r in rows] == list(range(1, 13))
         assert (folder / "weights").is_dir() and (folder / "eval.jsonl").exists()
+        assert json.loads((folder / "config.json").read_text())["train"]["lr"] == lrs[name]
         assert [int(s) for s, _ in by_name[name]["curve"]] == [6, 12]
     report = (run_dir / "adapters.md").read_text()
     assert all(name in report for name in lrs) and "| 12 |" in report
