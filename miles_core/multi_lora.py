@@ -163,8 +163,14 @@ class MultiLoraRun:
 
 
 _RUNS = RunRegistry(MultiLoraRun)
-get_multi_lora_run = _RUNS.get
-close_multi_lora_run = _RUNS.close
+
+
+def get_multi_lora_run(cfg: RunConfig, refs: RunRefs) -> MultiLoraRun:  # a function: flows are pickled (run.py)
+    return _RUNS.get(cfg, refs)
+
+
+def close_multi_lora_run(refs: RunRefs) -> None:
+    _RUNS.close(refs)
 
 
 def adapter_summary(session: AdapterSession, before: dict[str, Any] | None, error: str | None) -> dict[str, Any]:

@@ -643,6 +643,14 @@ class RunRegistry:
 
 
 _SESSIONS = RunRegistry(RunSession)
-get_session = _SESSIONS.get
-close_session = _SESSIONS.close
+
+
+# plain functions, not the registry's bound methods: flows that import them are cloudpickled by
+# Prefect's runner (deployments), and the registry holds a lock, which does not pickle
+def get_session(cfg: RunConfig, refs: RunRefs) -> RunSession:
+    return _SESSIONS.get(cfg, refs)
+
+
+def close_session(refs: RunRefs) -> None:
+    _SESSIONS.close(refs)
 

@@ -84,7 +84,10 @@ def test_lora_run_improves_with_only_the_adapter_changing(
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
-    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.2, summary
+    # the bar (+0.2) for the on-policy runs; fully async (stale samples, timing-dependent)
+    # is held to the bar of the other fully-async tests
+    gain = 0.2 if mode == "sync" else 0.1
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + gain, summary
 
     original = AutoModelForCausalLM.from_pretrained(demo_model).state_dict()
     [seen] = closing_sessions

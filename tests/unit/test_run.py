@@ -106,3 +106,15 @@ def test_checkpoint_due_every_interval_and_at_the_last_step():
     assert [k for k in range(1, 8) if checkpoint_due(cfg, k)] == [3, 6, 7]
     cfg.checkpoint.save_interval = None
     assert not any(checkpoint_due(cfg, k) for k in range(1, 8))
+
+
+def test_flows_pickle_for_deployments():
+    """A served deployment's runner cloudpickles the flow function with the globals it uses; a lock
+    among them (e.g. a registry's bound method) makes every deployment run crash before it starts."""
+    import cloudpickle
+
+    from flows.multi_lora import train_multi_lora
+    from flows.train import train
+
+    for flow in (train, train_multi_lora):
+        assert cloudpickle.loads(cloudpickle.dumps(flow.fn)).__name__ == flow.fn.__name__
