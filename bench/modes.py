@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODES = ("sync", "async", "fully_async")
 
 
-def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Namespace) -> dict:
+def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Namespace, eval_every=...) -> dict:
     from flows.train import train
     from miles_core.config import RunConfig
 
@@ -55,7 +55,8 @@ def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Nam
                     "rollout_max_response_len": 6},
         "train": {"lr": 1e-4, "micro_batch_size": 128, "use_tis": args.tis and mode != "sync"},
         "engine": engine,
-        "eval": {"eval_interval": args.eval_every, "num_prompts": 256},
+        "eval": {"eval_interval": args.eval_every if eval_every is ... else eval_every, "num_prompts": 256,
+                 "engine": args.eval_engine},
         "async_rollout": {"max_concurrent_samples": args.batch * 8, "buffer_capacity_factor": args.capacity_factor},
         "storage": {"root": root},
     })
@@ -187,6 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity-factor", type=float, default=2.0,
                         help="fully async: --async-data-buffer-capacity-factor")
     parser.add_argument("--tis", action="store_true", help="async modes: truncated importance sampling (--use-tis)")
+    parser.add_argument("--eval-engine", choices=("separate", "shared"), default="separate",
+                        help="where in-run evaluations generate (eval.engine)")
+    parser.add_argument("--eval-compare", action="store_true",
+                        help="instead of the modes table: fully async with evaluation every --eval-every steps vs "
+                             "only after the last step, trainer idle side by side")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "modes.md"))
     args = parser.parse_args(argv)
 
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, {0})  # the trainer's core; the engine server takes core 1
     torch.set_num_threads(1)
     model_dir = str(ensure_model(ModelConfig(), log=lambda *a: print(*a, file=sys.stderr)))
+    if args.eval_compare:
+        return eval_compare(args, model_dir)
     stats = []
     with tempfile.TemporaryDirectory(prefix="bench-modes-") as root:
         for mode in args.modes.split(","):
@@ -213,6 +221,38 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         cmd = " ".join(["python bench/modes.py", *(argv if argv is not None else sys.argv[1:])])
         f.write(f"Command: `.venv/bin/{cmd}`\n\n{text}")
+
+
+def eval_compare(args: argparse.Namespace, model_dir: str) -> None:
+    """Fully async with in-run evaluation vs without: does evaluation make the trainer wait?"""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-eval-") as root:
+        for label, every in (("eval every %d steps" % args.eval_every, args.eval_every), ("eval after the last step only", None)):
+            idle, step = [], []
+            for seed in args.seeds:
+                print(f"[fully_async, {label}, seed {seed}] {args.steps} steps ...", file=sys.stderr)
+                rows = run_mode("fully_async", seed, model_dir, root, args, eval_every=every)["rows"][2:]
+                idle.append(statistics.fmean(r["trainer_idle_fraction"] for r in rows))
+                step.append(statistics.median(r["step_seconds"] for r in rows))
+            results[label] = (statistics.fmean(idle), statistics.median(step))
+    (on, (idle_on, step_on)), (off, (idle_off, step_off)) = results.items()
+    lines = [
+        f"Fully async, {args.steps} steps of {args.batch} prompts x 8, seeds {args.seeds}, engine {args.engine}, "
+        f"evaluation engine {args.eval_engine} (256 held-out prompts). Trainer idle: mean over steps 3+ of the "
+        "time the trainer waited for data / step time.",
+        "",
+        "| evaluation | trainer idle | step wall (median) |",
+        "|---|---:|---:|",
+        f"| {on} | {100 * idle_on:.1f}% | {step_on:.3f} s |",
+        f"| {off} | {100 * idle_off:.1f}% | {step_off:.3f} s |",
+        "",
+        f"- evaluation increases trainer idle by at most 5 points: {'MET' if idle_on - idle_off <= 0.05 else 'NOT MET'} "
+        f"({100 * (idle_on - idle_off):+.1f} points)",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(__file__).parent / "results" / f"modes-eval-{args.eval_engine}.md"
+    out.write_text(f"Command: `.venv/bin/python bench/modes.py {' '.join(sys.argv[1:])}`\n\n{text}")
 
 
 if __name__ == "__main__":
