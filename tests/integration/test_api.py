@@ -1,0 +1,148 @@
+"""The Python API (``deployments.api``) against a real Prefect backend, on a tiny model.
+
+In process: ``start_run`` returns while the run goes on, the handle follows it through the API,
+``wait`` returns the summary (or raises RunFailed naming the flow's error), ``metrics`` reads the
+run folder. On a deployment: the train flow is served by a subprocess (as in test_cancel.py), a
+run started there completes and a second one is cancelled through ``RunHandle.cancel``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE = """
+from flows.train import train
+train.serve(name="api-test", print_starting_message=False)
+"""
+
+
+def _cfg(tmp_path: Path, model_dir: Path, **overrides):
+    from miles_core.config import RunConfig
+
+    raw = {
+        "name": "api-test",
+        "model": {"path": str(model_dir)},
+        "data": {"type": "toy", "num_prompts": 64},
+        "rollout": {"num_rollout": 3, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
+                    "rollout_max_response_len": 4},
+        "train": {"global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3},
+        "eval": {"eval_interval": 2, "num_prompts": 4},
+        "storage": {"root": str(tmp_path / "runs")},
+    }
+    raw.update(overrides)
+    return RunConfig.model_validate(raw)
+
+
+def _wait(predicate, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_in_process_run_is_followed_through_the_api(prefect_backend, tiny_model_dir, tmp_path, monkeypatch):
+    from deployments import api
+
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    t0 = time.monotonic()
+    run = api.start_run(cfg)
+    started_s = time.monotonic() - t0
+    assert run.status() in ("PENDING", "RUNNING"), "start_run should return while the run goes on"
+    assert started_s < 10, f"start_run took {started_s:.1f} s"
+    assert run.run_id and run.run_dir == str(tmp_path / "runs" / "api-test" / run.run_id)
+    assert cfg.run_id is None, "the caller's config is not changed"
+
+    summary = run.wait(timeout=300)
+    assert run.status() == "COMPLETED"
+    assert summary["run_id"] == run.run_id and summary["run_dir"] == run.run_dir
+    assert summary["steps"] == 3 and summary["final_version"] == 6
+    assert [r["step"] for r in run.metrics()] == [1, 2, 3]
+    assert [e["step"] for e in run.evals()] == [0, 2, 3]
+    assert run.wait() is summary  # a finished handle keeps its summary
+
+    assert api.get_run(run.id) is run  # this process's own handle
+    monkeypatch.setattr(api, "_LOCAL_RUNS", {})  # as another process would see it: from the API only
+    again = api.get_run(str(run.id))
+    assert (again.id, again.run_id, again.run_dir, again.in_process) == (run.id, run.run_id, run.run_dir, True)
+    from_disk = again.wait(timeout=10)  # the run's summary.json
+    assert {k: from_disk[k] for k in ("run_id", "final_version", "accuracy_after")} == \
+           {k: summary[k] for k in ("run_id", "final_version", "accuracy_after")}
+    assert again.metrics() == run.metrics()
+    with pytest.raises(RuntimeError, match="deployment="):
+        again.cancel()
+
+
+def test_a_failing_run_raises_run_failed_with_the_flows_error(prefect_backend, tiny_model_dir, tmp_path):
+    from deployments.api import RunFailed, start_run
+
+    missing = tmp_path / "nope.jsonl"
+    cfg = _cfg(tmp_path, tiny_model_dir, data={"type": "file", "path": str(missing)},
+               eval={"data": {"type": "file", "path": str(missing)}, "num_prompts": 4})
+    with pytest.raises(RunFailed, match="nope.jsonl") as info:
+        start_run(cfg, wait=True, timeout=120)
+    assert info.value.state.is_failed()
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def test_deployment_runs_complete_and_cancel(prefect_backend, tiny_model_dir, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from deployments.api import get_run, start_run
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_backend, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+           "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen([sys.executable, "-c", SERVE], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with pytest.raises(LookupError, match="prefect deployment ls"):
+            start_run(_cfg(tmp_path, tiny_model_dir), deployment="train/no-such-deployment")
+
+        def served() -> bool:
+            with get_client(sync_client=True) as client:
+                try:
+                    return bool(client.read_deployment_by_name("train/api-test"))
+                except ObjectNotFound:
+                    return False
+
+        _wait(served, 90, "the served deployment")
+        t = time.monotonic()
+        run = start_run(_cfg(tmp_path, tiny_model_dir), deployment="train/api-test")
+        summary = run.wait(timeout=300)
+        print(f"deployment run: {time.monotonic() - t:.1f} s")
+        assert run.status() == "COMPLETED" and not run.in_process
+        assert summary["run_id"] == run.run_id and summary["final_version"] == 6
+        assert [r["step"] for r in run.metrics()] == [1, 2, 3]
+        again = get_run(run.id)
+        assert (again.run_id, again.in_process, again.metrics()) == (run.run_id, False, run.metrics())
+
+        endless = _cfg(tmp_path, tiny_model_dir, rollout={"num_rollout": 10_000, "rollout_batch_size": 4,
+                                                          "n_samples_per_prompt": 4, "rollout_max_response_len": 4},
+                       eval={"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True})
+        run = start_run(endless, deployment="train/api-test")
+        _wait(lambda: len(run.metrics()) >= 1, 120, "a first training step")
+        t = time.monotonic()
+        state = run.cancel(timeout=60)
+        print(f"cancel: {time.monotonic() - t:.1f} s")
+        assert state.is_cancelled(), state
+        assert run.status() == "CANCELLED"
+    finally:
+        server.terminate()
+        try:
+            out, _ = server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, _ = server.communicate()
+        print("--- served process output (last 40 lines) ---")
+        print("\n".join(out.splitlines()[-40:]))
