@@ -361,10 +361,11 @@ class RunSession:
             engine = AdapterPolicy(engine, self.cfg.lora.adapter_name)
         return engine
 
-    def evaluate_version(self, step: int, version: int) -> dict[str, float]:
+    def evaluate_version(self, step: int, version: int, record: bool = True) -> dict[str, float]:
         """Evaluate weights ``version`` on the separate evaluation engine, which loads it from the
         weight store; the version is pinned there meanwhile (retention keeps it). Evaluations take
-        turns on the engine; training and rollouts go on."""
+        turns on the engine; training and rollouts go on. ``record``: add the result to the run's
+        in-run history (``eval.jsonl``)."""
         reader = f"eval-step-{step}"
         if version > 0:
             self.weights.pin(version, reader)
@@ -373,12 +374,12 @@ class RunSession:
                 engine = self.eval_engine
                 if engine.weight_version != version:
                     self._run(engine.update_weights(self._weights_uri(version), version))
-                return self._evaluate_on(engine, step)
+                return self._evaluate_on(engine, step, record)
         finally:
             if version > 0:
                 self.weights.unpin(version, reader)
 
-    def _evaluate_on(self, engine, step: int) -> dict[str, float]:
+    def _evaluate_on(self, engine, step: int, record: bool = True) -> dict[str, float]:
         from miles_core.eval.metrics import eval_metrics
         from miles_core.rewards import score_groups
 
@@ -391,6 +392,8 @@ class RunSession:
         self._run(score_groups(self.eval_reward_fn, groups))
         metrics = eval_metrics(groups, engine.weight_version)
         metrics.update(step=float(step), eval_seconds=time.perf_counter() - t0)
+        if not record:
+            return metrics
         with self._evals_lock:  # evaluations may finish in any order: the history stays sorted by step
             self._evals.append(metrics)
             self._evals.sort(key=lambda e: e["step"])
@@ -590,7 +593,7 @@ class RunSession:
         if "_feed" in self.__dict__:
             self._feed.close()
         if "eval_engine" in self.__dict__:
-            self._loop.run(self.eval_engine.close())
+            self._run(self.eval_engine.close())
         if "engine" in self.__dict__ and self.owns_engine:
             self._loop.run(self.engine.close())
             self._loop.close()

@@ -1,0 +1,38 @@
+"""The standalone evaluation flow: ``evaluate_run(run_dir, version=None)`` evaluates a training run's
+newest (or a given) published weights on its held-out prompts, or, for a multi-LoRA run, every
+adapter's newest version, on an evaluation engine of its own (the training run, if still going,
+is not touched). The results are appended to the run's ``eval_history.parquet`` and shown as a
+table artifact with the whole history, so a scheduled deployment of this flow (``miles serve``)
+shows the trend of a run as it trains."""
+
+from typing import Any, Optional
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.credentials import with_block_credentials
+from miles_core.eval.standalone import append_history, evaluate_run as _evaluate_run, open_run, read_history
+
+
+@task(name="evaluate-snapshot", cache_policy=NO_CACHE, task_run_name="evaluate-{run_name}")
+def evaluate_snapshot(run_dir: str, run_name: str, version: Optional[int], storage_options: dict) -> list[dict]:
+    cfg, _ = open_run(run_dir, storage_options)
+    cfg = with_block_credentials(cfg)
+    return _evaluate_run(run_dir, version, cfg.storage.storage_options, cfg=cfg)
+
+
+@flow(name="evaluate-run", flow_run_name="evaluate-{run_dir}")
+def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: Optional[dict] = None) -> list[dict[str, Any]]:
+    """Evaluate the run in ``run_dir`` (its newest version, or ``version``); returns the new rows."""
+    log = get_run_logger()
+    options = storage_options or {}
+    rows = evaluate_snapshot(run_dir, run_dir.rstrip("/").rsplit("/", 1)[-1], version, options)
+    append_history(run_dir, rows, options)
+    for row in rows:
+        who = f"adapter {row['adapter']} " if row["adapter"] else ""
+        log.info("%sversion %d: held-out accuracy %.3f", who, row["version"], row["accuracy"])
+    keys = ("evaluated_at", "adapter", "version", "step", "accuracy", "reward_mean", "response_len_mean", "truncated_ratio")
+    history = [{k: r.get(k) for k in keys} for r in read_history(run_dir, options)]
+    create_table_artifact(history, key=None, description=f"held-out evaluations of {run_dir} (oldest first)")
+    return rows

@@ -1,0 +1,123 @@
+"""Standalone evaluation of a run's weights, outside its training flow (``flows/evaluate.py``).
+
+- ``open_run(run_dir)``: the run's config (``config.json``) and references, from its folder URL.
+- ``evaluate_run(run_dir, version=None)``: evaluates the run's newest (or a given) published
+  version on its held-out prompts, on an evaluation engine that loads that snapshot (pinned in the
+  weight store meanwhile); for a multi-LoRA run, the newest version of every adapter. Returns one
+  row per evaluated policy. The run's own ``eval.jsonl`` (its in-run history) is left as it is.
+- ``append_history(run_dir, rows)``: adds rows to ``eval_history.parquet`` in the run folder (the
+  record of standalone evaluations: when, which adapter and version, the metrics), written whole
+  and atomically (object stores cannot append); ``read_history(run_dir)`` reads it back.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from miles_core.config import RunConfig
+from miles_core.run import RunRefs, RunSession
+
+HISTORY_FILE = "eval_history.parquet"
+
+
+def _split(run_dir: str) -> tuple[str, str, str]:
+    """``<root>/<name>/<run_id>`` -> (root, name, run_id)."""
+    path = run_dir.rstrip("/")
+    run_id = posixpath.basename(path)
+    parent = posixpath.dirname(path)
+    return posixpath.dirname(parent), posixpath.basename(parent), run_id
+
+
+def open_run(run_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[RunConfig, RunRefs]:
+    """The config and references of the run in ``run_dir`` (a folder a training run wrote)."""
+    from miles_core.models.tiny import ensure_model
+    from miles_core.storage.layout import RunLayout
+
+    root, name, run_id = _split(run_dir)
+    layout = RunLayout(root, name, run_id, storage_options)
+    raw = layout.read_json("config.json")
+    if raw is None:
+        raise FileNotFoundError(f"{run_dir}: no config.json (is it the folder of a training run?)")
+    if raw.get("data", {}).get("storage_options") == "<redacted>":
+        raw["data"]["storage_options"] = {}
+    raw["storage"] = {**raw["storage"], "root": root, "storage_options": storage_options or {}}
+    raw["run_id"] = run_id
+    cfg = RunConfig.model_validate_file_dict(raw, source=f"{run_dir}/config.json")
+    model_dir = ensure_model(cfg.model, log=lambda *_: None)
+    return cfg, RunRefs(run_id=run_id, run_dir=layout.run_dir, model_dir=str(model_dir))
+
+
+def _step_of(session: RunSession, version: int) -> int | None:
+    """The training step that published ``version`` (None: not in this run's metrics)."""
+    steps = [int(r["step"]) for r in session.layout.read_jsonl("metrics.jsonl") if int(r.get("version", -1)) == version]
+    return steps[-1] if steps else None
+
+
+def _evaluate_session(session: RunSession, version: int | None, adapter: str | None) -> dict[str, Any]:
+    latest = session.weights.latest() or 0
+    version = latest if version is None else version
+    if version > latest:
+        raise ValueError(f"{session.refs.run_dir}: version {version} is not published (newest: {latest})")
+    step = _step_of(session, version)
+    metrics = session.evaluate_version(step if step is not None else -1, version, record=False)
+    return {"evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_id": session.refs.run_id,
+            "adapter": adapter, "version": version, "step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+
+
+def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict[str, Any] | None = None,
+                 cfg: RunConfig | None = None) -> list[dict[str, Any]]:
+    """Evaluate the run's newest (or ``version``) weights; a multi-LoRA run: every adapter's newest."""
+    from miles_core.multi_lora import MultiLoraRun
+
+    if cfg is None:
+        cfg, refs = open_run(run_dir, storage_options)
+    else:
+        refs = open_run(run_dir, storage_options)[1]
+    if cfg.multi_lora is None:
+        session = RunSession(cfg, refs)
+        try:
+            return [_evaluate_session(session, version, None)]
+        finally:
+            session.close()
+    if version is not None:
+        raise ValueError("a multi-LoRA run has one version counter per adapter: evaluate it without a version")
+    run = MultiLoraRun(cfg, refs)
+    try:
+        rows = []
+        for name, session in run.adapters.items():
+            t0 = time.perf_counter()
+            rows.append(_evaluate_session(session, None, name) | {"eval_seconds": time.perf_counter() - t0})
+        return rows
+    finally:
+        run.close()
+
+
+def read_history(run_dir: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    from miles_core.storage.fs import join, open_fs, read_bytes
+
+    fs, path = open_fs(run_dir, storage_options)
+    data = read_bytes(fs, join(path, HISTORY_FILE))
+    return [] if data is None else pq.read_table(io.BytesIO(data)).to_pylist()
+
+
+def append_history(run_dir: str, rows: list[dict[str, Any]], storage_options: dict[str, Any] | None = None) -> str:
+    """Add ``rows`` to the run's ``eval_history.parquet``; returns the file's URL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from miles_core.storage.fs import atomic_write, join, open_fs
+
+    history = read_history(run_dir, storage_options) + rows
+    columns = sorted({k for r in history for k in r})
+    table = pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in history])
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    fs, path = open_fs(run_dir, storage_options)
+    atomic_write(fs, join(path, HISTORY_FILE), buffer.getvalue())
+    return join(run_dir.rstrip("/"), HISTORY_FILE)

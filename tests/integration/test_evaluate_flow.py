@@ -1,0 +1,58 @@
+"""The standalone evaluation flow over finished runs: a plain run's newest or a given version, and
+every adapter of a multi-LoRA run. Evaluating the version the run itself evaluated last gives the
+same numbers (greedy, the same held-out prompts); the history grows; the run's own files stay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_train_flow import _tiny_run
+
+pytestmark = pytest.mark.integration
+
+
+def test_evaluate_a_run_newest_and_given_version(prefect_backend, tiny_model_dir, tmp_path):
+    from flows.evaluate import evaluate_run
+    from flows.train import train
+    from miles_core.eval.standalone import read_history
+    from miles_core.storage import WeightStore
+
+    summary = train(_tiny_run(tmp_path, tiny_model_dir))
+    run_dir = summary["run_dir"]
+    in_run = (Path(run_dir) / "eval.jsonl").read_text()
+
+    [newest] = evaluate_run(run_dir)
+    assert (newest["version"], newest["step"], newest["adapter"]) == (6, 3, None)
+    assert newest["accuracy"] == summary["accuracy_after"], "the same version, prompts and greedy decoding"
+    [older] = evaluate_run(run_dir, version=2)
+    assert (older["version"], older["step"]) == (2, 1)
+
+    history = read_history(run_dir)
+    assert [(r["version"], r["step"]) for r in history] == [(6, 3), (2, 1)]
+    assert (Path(run_dir) / "eval.jsonl").read_text() == in_run, "the in-run history is left as it is"
+    assert WeightStore(str(Path(run_dir) / "weights")).pins() == {}
+    state = evaluate_run(run_dir, version=9, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="version 9 is not published"):
+        state.result()
+
+
+def test_evaluate_every_adapter_of_a_multi_lora_run(prefect_backend, demo_model, tmp_path):
+    from test_multi_lora_flow import LORA
+    from test_modes import _run_cfg
+
+    from flows.evaluate import evaluate_run
+    from flows.multi_lora import train_multi_lora
+
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, rollout={"num_rollout": 2},
+                   eval={"eval_interval": None, "num_prompts": 32},
+                   multi_lora={"adapters": [{"name": "fast", "train": {"lr": 3e-3}}, {"name": "slow", "train": {"lr": 1e-4}}]})
+    summary = train_multi_lora(cfg)
+    rows = evaluate_run(summary["run_dir"])
+    by_adapter = {r["adapter"]: r for r in rows}
+    assert set(by_adapter) == {"fast", "slow"}
+    for adapter in summary["adapters"]:
+        row = by_adapter[adapter["name"]]
+        assert row["version"] == adapter["final_version"] == 2
+        assert row["accuracy"] == adapter["accuracy_after"], adapter["name"]
