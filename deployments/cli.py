@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from deployments import serve as serve_deployments
 from deployments import server as prefect_server
 from miles_core.cli import build_parser, resolve_config
 from miles_core.engines import server as engine_server
@@ -35,6 +36,7 @@ def cli_parser() -> argparse.ArgumentParser:
     engine_server.add_arguments(sub.add_parser("engine-serve", help=text, description=text))
     text = "a local Prefect server on PostgreSQL (start | stop | status), for concurrent runs and the UI"
     prefect_server.add_arguments(sub.add_parser("server", help=text, description=text))
+    serve_deployments.add_arguments(sub.choices["serve"])
     return parser
 
 
@@ -63,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         from miles_core.models.tiny import ensure_model
 
         print(ensure_model(cfg.model))
+        return 0
+    if args.command == "serve":
+        try:
+            serve_deployments.serve(cfg, args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "train-multi-lora":
         if cfg.multi_lora is None:

@@ -12,7 +12,8 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.credentials import with_block_credentials
-from miles_core.eval.standalone import append_history, evaluate_run as _evaluate_run, open_run, read_history
+from miles_core.eval.standalone import append_history, open_run, read_history, resolve_run_dir
+from miles_core.eval.standalone import evaluate_run as _evaluate_run
 
 
 @task(name="evaluate-snapshot", cache_policy=NO_CACHE, task_run_name="evaluate-{run_name}")
@@ -24,9 +25,11 @@ def evaluate_snapshot(run_dir: str, run_name: str, version: Optional[int], stora
 
 @flow(name="evaluate-run", flow_run_name="evaluate-{run_dir}")
 def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: Optional[dict] = None) -> list[dict[str, Any]]:
-    """Evaluate the run in ``run_dir`` (its newest version, or ``version``); returns the new rows."""
+    """Evaluate the run in ``run_dir`` (its newest version, or ``version``); ``run_dir`` may also be
+    the folder of a run name (``<storage.root>/<name>``): its newest run. Returns the new rows."""
     log = get_run_logger()
     options = storage_options or {}
+    run_dir = resolve_run_dir(run_dir, options)
     rows = evaluate_snapshot(run_dir, run_dir.rstrip("/").rsplit("/", 1)[-1], version, options)
     append_history(run_dir, rows, options)
     for row in rows:

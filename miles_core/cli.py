@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {
         "train": "run a training flow",
         "train-multi-lora": "train several LoRA adapters over one rollout stream (--lora-count N or [multi_lora])",
+        "serve": "register the training and evaluation deployments and run them here (the config: their defaults)",
         "show-config": "print the resolved run config as JSON (nothing runs)",
         "build-model": "build (or find in the cache) the starting model and print its folder",
         "config-doc": "print the config reference as markdown",

@@ -1,5 +1,6 @@
 """Standalone evaluation of a run's weights, outside its training flow (``flows/evaluate.py``).
 
+- ``resolve_run_dir(path)``: a run folder, or the newest run in a folder of runs of one name.
 - ``open_run(run_dir)``: the run's config (``config.json``) and references, from its folder URL.
 - ``evaluate_run(run_dir, version=None)``: evaluates the run's newest (or a given) published
   version on its held-out prompts, on an evaluation engine that loads that snapshot (pinned in the
@@ -30,6 +31,22 @@ def _split(run_dir: str) -> tuple[str, str, str]:
     run_id = posixpath.basename(path)
     parent = posixpath.dirname(path)
     return posixpath.dirname(parent), posixpath.basename(parent), run_id
+
+
+def resolve_run_dir(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """``path`` itself when it is a run folder (it has ``config.json``); when it is a run name's
+    folder (``<root>/<name>``), its newest run (run ids sort by start time): what a scheduled
+    evaluation of "the latest run of this name" wants."""
+    from miles_core.storage.fs import join, open_fs
+
+    fs, folder = open_fs(path, storage_options)
+    if fs.exists(join(folder, "config.json")):
+        return path
+    runs = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(folder, detail=False)
+                  if fs.exists(join(p, "config.json")))
+    if not runs:
+        raise FileNotFoundError(f"{path}: neither a run folder (no config.json) nor a folder of runs")
+    return join(path.rstrip("/"), runs[-1])
 
 
 def open_run(run_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[RunConfig, RunRefs]:

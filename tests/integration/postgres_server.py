@@ -41,3 +41,31 @@ def postgres_prefect_server(tmp_dir: str | Path | None = None, *, keep: bool = F
         server.stop()
         if not keep:
             shutil.rmtree(home, ignore_errors=True)
+
+
+def _fresh_workers() -> None:
+    """Send what Prefect's event and log workers hold, then drop them: each process keeps one of
+    each, bound to the API URL it first saw, so after switching servers task-run states (which
+    travel as events) would go on to the old one."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all()
+    EventsWorker.drain_all()
+    for worker in (EventsWorker, APILogWorker):
+        worker._instances.clear()
+
+
+@contextlib.contextmanager
+def prefect_api(api_url: str) -> Iterator[str]:
+    """Point this process at ``api_url`` for the block (settings and fresh event/log workers), then
+    back (fresh workers again, for whatever server the process uses next)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    _fresh_workers()
+    try:
+        with temporary_settings({PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield api_url
+            _fresh_workers()
+    finally:
+        _fresh_workers()

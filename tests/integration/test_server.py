@@ -78,10 +78,8 @@ def _port_free(port: int) -> bool:
 
 def _run_tiny_flow(api_url: str):
     """A flow with two tasks, run in this process against ``api_url``; returns its final state."""
+    from postgres_server import prefect_api
     from prefect import flow, task
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     @task
     def double(x: int) -> int:
@@ -95,12 +93,8 @@ def _run_tiny_flow(api_url: str):
     def smoke(x: int) -> int:
         return increment(double(x))
 
-    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        state = smoke(3, return_state=True)
-        # task-run states reach the server as events: send them before the server goes away
-        APILogWorker.drain_all()
-        EventsWorker.drain_all()
-    return state
+    with prefect_api(api_url):  # task-run states reach the server as events, sent before it returns
+        return smoke(3, return_state=True)
 
 
 def _client_call(api_url: str, fn):

@@ -1,0 +1,81 @@
+"""``miles serve``: register the project's deployments with the Prefect API and run them here.
+
+Deployments (``<flow>/<deployment>``), each taking the pydantic ``RunConfig`` as its parameter, so
+the UI shows a validated form whose defaults are the config ``miles serve`` was given (``--config``
+and flags, as ``miles train``):
+
+- ``train/sync``, ``train/async``, ``train/fully-async``: a training run in that mode;
+- ``train-multi-lora/multi-lora``: N adapters over one rollout stream (its default config is
+  ``configs/multi-lora-toy.toml`` unless the given config has a ``multi_lora`` section);
+- ``evaluate-run/on-demand``: evaluate a run folder's newest (or a given) version;
+- ``evaluate-run/scheduled`` (with ``--eval-runs PATH`` and ``--eval-cron`` or ``--eval-every-s``):
+  the same on a schedule, over ``PATH``: a run folder, or ``<storage.root>/<name>`` for the newest
+  run of that name.
+
+The runs execute in this process's runner (``prefect.serve``), which also makes them cancellable
+from the UI. ``deployments(cfg, ...)`` builds the list without serving it (for tests and for
+``prefect.yaml`` users: the same deployments, declared there for ``prefect deploy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from miles_core.config import RunConfig
+
+MODES = {"sync": "sync", "async": "async", "fully-async": "fully_async"}
+MULTI_LORA_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "multi-lora-toy.toml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve-only options (the run config's flags come with every run-config command)."""
+    parser.add_argument("--eval-runs", metavar="PATH",
+                        help="schedule evaluate-run over this run folder, or <storage.root>/<name> (its newest run)")
+    parser.add_argument("--eval-cron", metavar="CRON", help="schedule of evaluate-run/scheduled, e.g. '0 * * * *'")
+    parser.add_argument("--eval-every-s", type=float, metavar="SECONDS",
+                        help="schedule of evaluate-run/scheduled as an interval")
+
+
+def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | None = None,
+                eval_every_s: float | None = None) -> list[Any]:
+    """The project's deployments (``RunnerDeployment`` objects), their defaults taken from ``cfg``."""
+    from flows.evaluate import evaluate_run
+    from flows.multi_lora import train_multi_lora
+    from flows.train import train
+
+    out = []
+    for name, mode in MODES.items():
+        default = cfg.model_copy(update={"mode": mode, "multi_lora": None})
+        out.append(train.to_deployment(
+            name=name, parameters={"cfg": default.model_dump(mode="json")}, tags=["train", mode],
+            description=f"A training run in {mode} mode (the config form's defaults: `miles serve`'s config).",
+        ))
+    multi = cfg if cfg.multi_lora is not None else RunConfig.from_toml(MULTI_LORA_RECIPE)
+    out.append(train_multi_lora.to_deployment(
+        name="multi-lora", parameters={"cfg": multi.model_dump(mode="json")}, tags=["train", "multi-lora"],
+        description="N LoRA adapters trained over one rollout stream.",
+    ))
+    out.append(evaluate_run.to_deployment(
+        name="on-demand", tags=["eval"], description="Evaluate a run folder's newest (or a given) version.",
+    ))
+    if eval_runs is not None:
+        if (eval_cron is None) == (eval_every_s is None):
+            raise ValueError("--eval-runs needs a schedule: --eval-cron CRON or --eval-every-s SECONDS (one of them)")
+        schedule = {"cron": eval_cron} if eval_cron is not None else {"interval": eval_every_s}
+        out.append(evaluate_run.to_deployment(
+            name="scheduled", parameters={"run_dir": eval_runs}, tags=["eval", "scheduled"],
+            description=f"Evaluate the newest version of {eval_runs} on a schedule.", **schedule,
+        ))
+    elif eval_cron is not None or eval_every_s is not None:
+        raise ValueError("--eval-cron / --eval-every-s schedule evaluations of --eval-runs PATH: give it too")
+    return out
+
+
+def serve(cfg: RunConfig, args: argparse.Namespace) -> None:
+    from prefect import serve as prefect_serve
+
+    found = deployments(cfg, args.eval_runs, args.eval_cron, args.eval_every_s)
+    print("serving: " + ", ".join(f"{d.flow_name}/{d.name}" for d in found), flush=True)
+    prefect_serve(*found, print_starting_message=False)
