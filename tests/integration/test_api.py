@@ -7,13 +7,12 @@ run started there completes and a second one is cancelled through ``RunHandle.ca
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from serving import served, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -39,16 +38,6 @@ def _cfg(tmp_path: Path, model_dir: Path, **overrides):
     }
     raw.update(overrides)
     return RunConfig.model_validate(raw)
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_in_process_run_is_followed_through_the_api(prefect_backend, tiny_model_dir, tmp_path, monkeypatch):
@@ -101,22 +90,18 @@ def test_deployment_runs_complete_and_cancel(prefect_backend, tiny_model_dir, tm
 
     from deployments.api import get_run, start_run
 
-    env = {**os.environ, "PREFECT_API_URL": prefect_backend, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-           "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-c", SERVE], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with served(["-c", SERVE], prefect_backend):
         with pytest.raises(LookupError, match="prefect deployment ls"):
             start_run(_cfg(tmp_path, tiny_model_dir), deployment="train/no-such-deployment")
 
-        def served() -> bool:
+        def deployed() -> bool:
             with get_client(sync_client=True) as client:
                 try:
                     return bool(client.read_deployment_by_name("train/api-test"))
                 except ObjectNotFound:
                     return False
 
-        _wait(served, 90, "the served deployment")
+        wait_for(deployed, 90, "the served deployment")
         t = time.monotonic()
         run = start_run(_cfg(tmp_path, tiny_model_dir), deployment="train/api-test")
         summary = run.wait(timeout=300)
@@ -131,18 +116,10 @@ def test_deployment_runs_complete_and_cancel(prefect_backend, tiny_model_dir, tm
                                                           "n_samples_per_prompt": 4, "rollout_max_response_len": 4},
                        eval={"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True})
         run = start_run(endless, deployment="train/api-test")
-        _wait(lambda: len(run.metrics()) >= 1, 120, "a first training step")
+        wait_for(lambda: len(run.metrics()) >= 1, 120, "a first training step")
         t = time.monotonic()
         state = run.cancel(timeout=60)
         print(f"cancel: {time.monotonic() - t:.1f} s")
         assert state.is_cancelled(), state
         assert run.status() == "CANCELLED"
-    finally:
-        server.terminate()
-        try:
-            out, _ = server.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            out, _ = server.communicate()
-        print("--- served process output (last 40 lines) ---")
-        print("\n".join(out.splitlines()[-40:]))
+

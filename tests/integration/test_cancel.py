@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from serving import served, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -23,16 +22,6 @@ SERVE = """
 from flows.train import train
 train.serve(name="cancel-test", print_starting_message=False)
 """
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir, tmp_path):
@@ -54,11 +43,7 @@ def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir
         "async_rollout": {"segment_max_groups": 2},
         "storage": {"root": str(tmp_path / "runs")},
     })
-    env = {**os.environ, "PREFECT_API_URL": prefect_backend, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    server = subprocess.Popen([sys.executable, "-c", SERVE], env=env, cwd=Path(__file__).resolve().parents[2],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with served(["-c", SERVE], prefect_backend, tail=60):
         async def deployed():
             async with get_client() as client:
                 try:
@@ -66,7 +51,7 @@ def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir
                 except Exception:
                     return None
 
-        _wait(lambda: asyncio.run(deployed()), 90, "the served deployment")
+        wait_for(lambda: asyncio.run(deployed()), 90, "the served deployment")
         flow_run = run_deployment("train/cancel-test", parameters={"cfg": cfg.model_dump(mode="json")}, timeout=0)
 
         runs = tmp_path / "runs" / "cancel-test"
@@ -81,9 +66,9 @@ def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir
             files = list(runs.glob("*/metrics.jsonl"))
             return len(files[0].read_text().splitlines()) if files else 0
 
-        _wait(lambda: training_steps() >= 3, 180, "three training steps")
+        wait_for(lambda: training_steps() >= 3, 180, "three training steps")
 
-        async def cancel_and_wait():
+        async def cancel_andwait_for():
             async with get_client() as client:
                 await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
                 t0 = time.monotonic()
@@ -94,7 +79,7 @@ def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir
                     await asyncio.sleep(0.5)
                 return run.state, time.monotonic() - t0
 
-        state, seconds = asyncio.run(cancel_and_wait())
+        state, seconds = asyncio.run(cancel_andwait_for())
         assert state.is_cancelled(), state
         assert seconds < 20, f"cancellation took {seconds:.1f} s"
 
@@ -108,12 +93,4 @@ def test_cancelling_a_fully_async_deployment_run(prefect_backend, tiny_model_dir
         assert segments and sum(len(s) for s in segments) == producer["stats"]["groups_written"] * 4
         leftovers = [p.name for p in (run_dir / "samples" / "rollout").iterdir() if not p.name.endswith(".arrow")]
         assert leftovers == [], leftovers
-    finally:
-        server.terminate()
-        try:
-            out, _ = server.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            out, _ = server.communicate()
-        print("--- served process output (last 60 lines) ---")
-        print("\n".join(out.splitlines()[-60:]))
+

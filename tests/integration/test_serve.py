@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from test_cancel import _wait
+from serving import served, wait_for
 from test_train_flow import _tiny_run
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +84,10 @@ def test_serve_registers_deployments_runs_one_and_fires_the_scheduled_eval(postg
 
     first = train(_tiny_run(tmp_path, tiny_model_dir))  # a run for the scheduled evaluation to find
     runs = tmp_path / "runs" / "flow-test"
-    env = {**os.environ, "PREFECT_API_URL": postgres_backend, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-           "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "deployments.cli", "serve", "--hf-checkpoint", str(tiny_model_dir),
-           "--storage-root", str(tmp_path / "runs"), "--eval-runs", str(runs), "--eval-every-s", "5"]
-    server = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait(lambda: server.poll() is None and _deployment("evaluate-run/scheduled"), 90, "the served deployments")
+    argv = ["-m", "deployments.cli", "serve", "--hf-checkpoint", str(tiny_model_dir),
+            "--storage-root", str(tmp_path / "runs"), "--eval-runs", str(runs), "--eval-every-s", "5"]
+    with served(argv, postgres_backend) as server:
+        wait_for(lambda: server.poll() is None and _deployment("evaluate-run/scheduled"), 90, "the served deployments")
         for name in ("train/sync", "train/async", "train/fully-async", "train-multi-lora/multi-lora",
                      "evaluate-run/on-demand"):
             assert _deployment(name) is not None, name
@@ -112,19 +104,11 @@ def test_serve_registers_deployments_runs_one_and_fires_the_scheduled_eval(postg
         assert summary["final_version"] == 6 and run.status() == "COMPLETED"
 
         try:
-            _wait(lambda: _completed_runs(scheduled.id) >= 1, 150, "a scheduled evaluation")
+            wait_for(lambda: _completed_runs(scheduled.id) >= 1, 150, "a scheduled evaluation")
         except AssertionError:
             print("scheduled runs:", _run_states(scheduled.id))
             raise
         histories = [read_history(str(p)) for p in runs.iterdir() if (p / "eval_history.parquet").exists()]
         assert histories and all(h[-1]["version"] == 6 for h in histories)
-    finally:
-        server.terminate()
-        try:
-            out, _ = server.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            out, _ = server.communicate()
-        if sys.exc_info()[0] is not None:
-            print(out[-4000:])
+
     assert first["final_version"] == 6

@@ -1,0 +1,45 @@
+"""Helpers for tests that serve deployments: ``wait_for`` polls a condition; ``served(argv, api_url)``
+runs a serving process (``flow.serve`` or ``miles serve``) against a Prefect API, stops it after,
+and prints the tail of its output (which is where a served run's errors are)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    """``predicate()``'s first truthy value within ``timeout`` seconds, else an AssertionError."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def served(argv: list[str], api_url: str, tail: int = 40) -> Iterator[subprocess.Popen]:
+    """``python <argv>`` from the repository root against ``api_url`` (its runner polling every second)."""
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        print(f"--- served process output (last {tail} lines) ---")
+        print("\n".join(out.splitlines()[-tail:]))
