@@ -13,7 +13,8 @@ and flags, as ``miles train``):
   run of that name.
 
 The runs execute in this process's runner (``prefect.serve``), which also makes them cancellable
-from the UI. ``deployments(cfg, ...)`` builds the list without serving it (for tests and for
+from the UI. ``--device-slots gpu=8`` creates (or resizes) the global concurrency limit that runs
+with ``--device-pool gpu`` draw their slots from (``ResourcesConfig``). ``deployments(cfg, ...)`` builds the list without serving it (for tests and for
 ``prefect.yaml`` users: the same deployments, declared there for ``prefect deploy``).
 """
 
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-cron", metavar="CRON", help="schedule of evaluate-run/scheduled, e.g. '0 * * * *'")
     parser.add_argument("--eval-every-s", type=float, metavar="SECONDS",
                         help="schedule of evaluate-run/scheduled as an interval")
+    parser.add_argument("--device-slots", action="append", default=[], metavar="POOL=N",
+                        help="create (or resize) the global concurrency limit POOL with N slots, e.g. gpu=8 "
+                             "(runs draw from it with --device-pool POOL); repeatable")
 
 
 def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | None = None,
@@ -73,9 +77,39 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     return out
 
 
+def device_pools(specs: list[str]) -> dict[str, int]:
+    """``["gpu=8", ...]`` -> ``{"gpu": 8}``; errors name the bad entry."""
+    pools = {}
+    for spec in specs:
+        name, sep, count = spec.partition("=")
+        if not sep or not name.strip() or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--device-slots {spec!r}: expected POOL=N with N >= 1, e.g. gpu=8")
+        pools[name.strip()] = int(count)
+    return pools
+
+
+def ensure_device_pools(pools: dict[str, int]) -> None:
+    """Create each global concurrency limit, or set its limit, on the configured Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for name, limit in pools.items():
+            try:
+                client.read_global_concurrency_limit_by_name(name)
+                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=limit, active=True))
+            except ObjectNotFound:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit, active=True))
+
+
 def serve(cfg: RunConfig, args: argparse.Namespace) -> None:
     from prefect import serve as prefect_serve
 
+    pools = device_pools(args.device_slots)
     found = deployments(cfg, args.eval_runs, args.eval_cron, args.eval_every_s)
+    ensure_device_pools(pools)
+    if pools:
+        print("device slots: " + ", ".join(f"{n}={k}" for n, k in pools.items()), flush=True)
     print("serving: " + ", ".join(f"{d.flow_name}/{d.name}" for d in found), flush=True)
     prefect_serve(*found, print_starting_message=False)

@@ -744,6 +744,28 @@ class MultiLoraConfig(_Base):
         return [spec.name for spec in self.specs]
 
 
+# ------------------------------------------------------------------------------------ resources
+
+
+class ResourcesConfig(_Base):
+    """Device slots: a Prefect global concurrency limit named ``pool`` (its limit: the devices a
+    machine has, e.g. ``gpu`` = 8) that every run on the same Prefect server draws from, so
+    concurrent rollout, training and evaluation work stays within the devices, across runs and
+    processes. Create the limit with ``miles serve --device-slots gpu=8`` (or Prefect's
+    ``global-concurrency-limit create``); a run naming a pool that does not exist fails at once.
+    A fully-async run holds ``rollout_slots`` for its whole length (the producer) and takes
+    ``train_slots`` per step: the pool must hold both."""
+
+    pool: str | None = None
+    """The concurrency limit to draw slots from (None: take no slots)."""
+    rollout_slots: int = Field(default=1, ge=0)
+    """Slots a rollout takes while it generates (fully async: the producer, while it runs)."""
+    train_slots: int = Field(default=1, ge=0)
+    """Slots a training step takes."""
+    eval_slots: int = Field(default=1, ge=0)
+    """Slots an evaluation takes."""
+
+
 # ------------------------------------------------------------------------------------------ run
 
 
@@ -775,6 +797,7 @@ class RunConfig(_Base):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @model_validator(mode="after")
     def _check_batches(self) -> RunConfig:

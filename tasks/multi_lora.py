@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from miles_core.config import RunConfig
 from miles_core.multi_lora import get_multi_lora_run
 from miles_core.run import RunRefs, TrainRef
+from tasks.slots import device_slots
 
 
 @task(name="multi-lora-producer", cache_policy=NO_CACHE, task_run_name="rollout-producer")
@@ -16,7 +17,8 @@ def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
     """Generate for every adapter into the run's sample stream until the flow stops the producer."""
     run = get_multi_lora_run(cfg, refs)
     run.build_producer()
-    return run.shared.run_producer()
+    with device_slots(cfg, "rollout"):
+        return run.shared.run_producer()
 
 
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
@@ -27,7 +29,8 @@ def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
 @task(name="evaluate-base", cache_policy=NO_CACHE, task_run_name="evaluate-base")
 def evaluate_base(cfg: RunConfig, refs: RunRefs) -> dict[str, float]:
     """The base model on the held-out prompts: every adapter's version 0."""
-    return get_multi_lora_run(cfg, refs).shared.evaluate(0)
+    with device_slots(cfg, "eval"):
+        return get_multi_lora_run(cfg, refs).shared.evaluate(0)
 
 
 @task(name="train-adapter", cache_policy=NO_CACHE, task_run_name="train-{name}-{step}")
@@ -35,7 +38,8 @@ def train_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> TrainR
     """Take the adapter's next batch from the stream, train, publish its version and load it into
     the engine by name."""
     session = get_multi_lora_run(cfg, refs).adapters[name]
-    ref = session.train_from_stream(step, warn=get_run_logger().warning)
+    with device_slots(cfg, "train"):
+        ref = session.train_from_stream(step, warn=get_run_logger().warning)
     ref.metrics["push_seconds"] = session.push_weights(ref.weights_uri, ref.version)
     return ref
 
@@ -43,7 +47,8 @@ def train_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> TrainR
 @task(name="evaluate-adapter", cache_policy=NO_CACHE, task_run_name="evaluate-{name}-step-{step}")
 def evaluate_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> dict[str, float]:
     """The adapter's current version on the held-out prompts, generated beside the producer's work."""
-    return get_multi_lora_run(cfg, refs).adapters[name].evaluate(step)
+    with device_slots(cfg, "eval"):
+        return get_multi_lora_run(cfg, refs).adapters[name].evaluate(step)
 
 
 @task(name="save-adapter-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-{name}-step-{step}")

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from miles_core.config import RunConfig
 from miles_core.run import RolloutRef, RunRefs, TrainRef, get_session
 from miles_core.run import prepare_run as _prepare_run
+from tasks.slots import device_slots
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE, task_run_name="prepare-run")
@@ -28,12 +29,14 @@ def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
 
 @task(name="rollout", cache_policy=NO_CACHE, task_run_name="rollout-{step}")
 def rollout(cfg: RunConfig, refs: RunRefs, step: int) -> RolloutRef:
-    return get_session(cfg, refs).rollout(step)
+    with device_slots(cfg, "rollout"):
+        return get_session(cfg, refs).rollout(step)
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{rollout_ref.step}")
 def train_step(cfg: RunConfig, refs: RunRefs, rollout_ref: RolloutRef) -> TrainRef:
-    return get_session(cfg, refs).train(rollout_ref)
+    with device_slots(cfg, "train"):
+        return get_session(cfg, refs).train(rollout_ref)
 
 
 @task(name="push-weights", cache_policy=NO_CACHE, task_run_name="push-weights-v{train_ref.version}")
@@ -43,13 +46,15 @@ def push_weights(cfg: RunConfig, refs: RunRefs, train_ref: TrainRef) -> float:
 
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
-    return get_session(cfg, refs).evaluate(step)
+    with device_slots(cfg, "eval"):
+        return get_session(cfg, refs).evaluate(step)
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate_version(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> dict[str, float]:
     """Evaluate weights ``version`` on the run's separate evaluation engine (pinned while in use)."""
-    return get_session(cfg, refs).evaluate_version(step, version)
+    with device_slots(cfg, "eval"):
+        return get_session(cfg, refs).evaluate_version(step, version)
 
 
 @task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
@@ -59,11 +64,14 @@ def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: Rollo
 
 @task(name="rollout-producer", cache_policy=NO_CACHE, task_run_name="rollout-producer")
 def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
-    """Fully async: generate into the sample stream until the flow stops the producer."""
-    return get_session(cfg, refs).run_producer()
+    """Fully async: generate into the sample stream until the flow stops the producer (holding the
+    rollout slots all along)."""
+    with device_slots(cfg, "rollout"):
+        return get_session(cfg, refs).run_producer()
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{step}")
 def train_from_stream(cfg: RunConfig, refs: RunRefs, step: int) -> TrainRef:
     """Fully async: wait for a batch of groups from the producer and train on it."""
-    return get_session(cfg, refs).train_from_stream(step, warn=get_run_logger().warning)
+    with device_slots(cfg, "train"):
+        return get_session(cfg, refs).train_from_stream(step, warn=get_run_logger().warning)
