@@ -37,6 +37,7 @@ from tasks.multi_lora import (
     save_adapter_checkpoint,
     train_adapter,
 )
+from tasks.slots import check_device_pool
 from tasks.train import prepare_run
 
 
@@ -77,6 +78,7 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
         raise ValueError("train_multi_lora needs a config with multi_lora (--lora-count N, or [multi_lora] adapters)")
     t_start = time.perf_counter()
     cfg = with_block_credentials(cfg)
+    check_device_pool(cfg)
     refs = prepare_run(cfg)
     run = get_multi_lora_run(cfg, refs)
     log.info("multi-LoRA run %s: %s; adapters %s, rollout source %s", refs.run_id, refs.run_dir,

@@ -37,6 +37,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
 from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
+from tasks.slots import check_device_pool
 from tasks.train import (
     check_data,
     evaluate,
@@ -81,6 +82,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     log = get_run_logger()
     t_start = time.perf_counter()
     cfg = with_block_credentials(cfg)
+    check_device_pool(cfg)
     refs = prepare_run(cfg)
     session = get_session(cfg, refs)
     log.info("run %s: %s", refs.run_id, refs.run_dir)

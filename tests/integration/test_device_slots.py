@@ -69,3 +69,16 @@ def test_a_missing_device_pool_fails_the_run_with_how_to_create_it(prefect_backe
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="miles serve --device-slots no-such-pool=N"):
         state.result()
+
+
+def test_a_pool_too_small_for_a_fully_async_run_is_refused_before_any_work(prefect_backend, tiny_model_dir, tmp_path):
+    from deployments.serve import ensure_device_pools
+    from flows.train import train
+
+    ensure_device_pools({"one-device": 1})
+    cfg = _tiny_run(tmp_path, tiny_model_dir, mode="fully_async", resources={"pool": "one-device"})
+    state = train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="has 1 slots, but this run needs 2 at once"):
+        state.result()
+    assert not (tmp_path / "runs").exists(), "nothing ran"
