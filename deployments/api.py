@@ -24,7 +24,8 @@ run.metrics()                                # rows of metrics.jsonl so far, one
   ``cfg`` parameter (so runs started from the CLI, the UI or another process work too, as long as
   they were given a ``run_id``).
 - ``RunHandle``: ``id`` (the flow run id), ``run_id``, ``run_dir``, ``state()``/``status()``,
-  ``wait()``, ``metrics()``, ``evals()``, ``cancel()``.
+  ``wait()``, ``metrics()``, ``evals()``, ``evaluate(version=None)`` (the standalone evaluation
+  flow, in this process), ``cancel()``.
 - ``RunFailed``: what ``wait`` raises when a run ends in any state but COMPLETED.
 
 Everything talks to whichever Prefect API is configured: the ephemeral default, a temporary test
@@ -366,11 +367,28 @@ class RunHandle:
             return layout.read_jsonl(f"adapters/{adapter}/{file}")
         return [{"adapter": n, **row} for n in names for row in layout.read_jsonl(f"adapters/{n}/{file}")]
 
-    def _layout(self):
+    def evaluate(self, version: int | None = None) -> list[dict[str, Any]]:
+        """Evaluate this run's newest (or ``version``) weights now, with the ``evaluate-run`` flow in
+        this process (for a multi-LoRA run: every adapter's newest version); the rows are also
+        appended to the run's ``eval_history.parquet``. Works while the run goes on."""
+        from flows.evaluate import evaluate_run
+
+        if self.run_id is None:
+            raise ValueError(f"run {self._label()} was started without cfg.run_id: its run folder is not known here")
+        state = evaluate_run(self._layout().run_dir, version, self._storage().storage_options, return_state=True)
+        if not state.is_completed():
+            raise RunFailed(f"evaluating run {self._label()} failed: {state.message}", state) from self._cause(state)
+        return state.result()
+
+    def _storage(self):
         from flows.credentials import with_block_credentials
+
+        return with_block_credentials(self.cfg).storage if self.cfg.storage.credentials_block else self.cfg.storage
+
+    def _layout(self):
         from miles_core.storage.layout import RunLayout
 
-        storage = with_block_credentials(self.cfg).storage if self.cfg.storage.credentials_block else self.cfg.storage
+        storage = self._storage()
         return RunLayout(storage.root, self.cfg.name, self.run_id, storage.storage_options)
 
     # -- cancelling

@@ -59,6 +59,10 @@ def test_in_process_run_is_followed_through_the_api(prefect_backend, tiny_model_
     assert [r["step"] for r in run.metrics()] == [1, 2, 3]
     assert [e["step"] for e in run.evals()] == [0, 2, 3]
     assert run.wait() is summary  # a finished handle keeps its summary
+    # evaluate the finished run again (the standalone flow): the numbers of its last evaluation
+    [row] = run.evaluate()
+    assert row["version"] == 6 and row["accuracy"] == run.evals()[-1]["accuracy"]
+    assert run.evaluate(version=2)[0]["step"] == 1
 
     assert api.get_run(run.id) is run  # this process's own handle
     monkeypatch.setattr(api, "_LOCAL_RUNS", {})  # as another process would see it: from the API only
