@@ -73,9 +73,6 @@ class AdapterSession(RunSession):
     def _run(self, coro):
         return self.run.shared._run(coro)
 
-    def close(self) -> None:
-        super().close()  # its feed and trainer; the engine is the run's
-
 
 class MultiLoraRun:
     def __init__(self, cfg: RunConfig, refs: RunRefs) -> None:

@@ -61,7 +61,7 @@ from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
 from miles_core.dtypes import torch_dtype
 from miles_core.train.batch import TokenBatch
 from miles_core.train.losses import reducer_denominator, token_logprobs
-from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher, _eval_mode
+from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher, _eval_mode, save_torch
 
 if TYPE_CHECKING:
     from miles_core.config import LoraConfig
@@ -356,7 +356,7 @@ class DeepSpeedTrainer(TorchTrainer):
         if self.is_main:
             state = {"version": self._version, "shuffle_rng": self._generator.get_state(), "rank_rng": rng,
                      "world_size": self.world_size, "zero_stage": self.zero_stage, "lora": self.lora is not None}
-            _write_atomically(fs, path, state)
+            save_torch(fs, path, state)
         dist.barrier()
 
     def load(self, uri: str) -> None:
@@ -404,17 +404,3 @@ def _shard_folder(path: str) -> str:
     """``.../step-3/trainer.pt`` -> ``.../step-3/trainer.deepspeed``."""
     stem = posixpath.splitext(path)[0]
     return stem + ".deepspeed"
-
-
-def _write_atomically(fs: Any, path: str, state: dict[str, Any]) -> None:
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    parent = posixpath.dirname(path)
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    with fs.open(path + ".tmp", "wb") as f:
-        f.write(buffer.getvalue())
-    fs.mv(path + ".tmp", path)
-

@@ -385,15 +385,8 @@ class TorchTrainer:
 
     def save(self, uri: str) -> None:
         """torch.save of ``state_dict()`` to ``uri``, written to ``<uri>.tmp`` then moved into place."""
-        buffer = io.BytesIO()
-        torch.save(self.state_dict(), buffer)
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        parent = posixpath.dirname(path)
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        with fs.open(path + ".tmp", "wb") as f:
-            f.write(buffer.getvalue())
-        fs.mv(path + ".tmp", path)
+        save_torch(fs, path, self.state_dict())
 
     def load(self, uri: str) -> None:
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
@@ -427,6 +420,19 @@ def _wrap_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.
 def _uses_reference(cfg: TrainConfig) -> bool:
     """Whether either KL term (loss or reward penalty) needs the reference policy's logprobs."""
     return cfg.kl_loss_coef > 0 or cfg.kl_coef > 0
+
+
+def save_torch(fs: Any, path: str, state: dict[str, Any]) -> None:
+    """``torch.save(state)`` to ``path`` on ``fs``, written to ``<path>.tmp`` then moved into place
+    (a reader never sees half a checkpoint)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    with fs.open(path + ".tmp", "wb") as f:
+        f.write(buffer.getvalue())
+    fs.mv(path + ".tmp", path)
 
 
 def _cpu_copies(state: dict[str, Tensor]) -> dict[str, Tensor]:
