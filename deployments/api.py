@@ -24,7 +24,7 @@ run.metrics()                                # rows of metrics.jsonl so far, one
   ``cfg`` parameter (so runs started from the CLI, the UI or another process work too, as long as
   they were given a ``run_id``).
 - ``RunHandle``: ``id`` (the flow run id), ``run_id``, ``run_dir``, ``state()``/``status()``,
-  ``wait()``, ``metrics()``, ``evals()``, ``evaluate(version=None)`` (the standalone evaluation
+  ``wait()``, ``metrics()``, ``evals()``, ``evaluate(version=None, datasets=None)`` (the standalone evaluation
   flow, in this process), ``cancel()``.
 - ``RunFailed``: what ``wait`` raises when a run ends in any state but COMPLETED.
 
@@ -367,15 +367,17 @@ class RunHandle:
             return layout.read_jsonl(f"adapters/{adapter}/{file}")
         return [{"adapter": n, **row} for n in names for row in layout.read_jsonl(f"adapters/{n}/{file}")]
 
-    def evaluate(self, version: int | None = None) -> list[dict[str, Any]]:
+    def evaluate(self, version: int | None = None, datasets: list[Any] | None = None) -> list[dict[str, Any]]:
         """Evaluate this run's newest (or ``version``) weights now, with the ``evaluate-run`` flow in
-        this process (for a multi-LoRA run: every adapter's newest version); the rows are also
-        appended to the run's ``eval_history.parquet``. Works while the run goes on."""
+        this process (for a multi-LoRA run: every adapter's newest version), on the run's own eval
+        datasets or on ``datasets`` (``EvalDatasetConfig`` or dicts); the rows are also appended to
+        the run's ``eval_history.parquet``. Works while the run goes on."""
         from flows.evaluate import evaluate_run
 
         if self.run_id is None:
             raise ValueError(f"run {self._label()} was started without cfg.run_id: its run folder is not known here")
-        state = evaluate_run(self._layout().run_dir, version, self._storage().storage_options, return_state=True)
+        state = evaluate_run(self._layout().run_dir, version, self._storage().storage_options, datasets,
+                             return_state=True)
         if not state.is_completed():
             raise RunFailed(f"evaluating run {self._label()} failed: {state.message}", state) from self._cause(state)
         return state.result()

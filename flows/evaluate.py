@@ -1,9 +1,11 @@
-"""The standalone evaluation flow: ``evaluate_run(run_dir, version=None)`` evaluates a training run's
-newest (or a given) published weights on its held-out prompts, or, for a multi-LoRA run, every
-adapter's newest version, on an evaluation engine of its own (the training run, if still going,
-is not touched). The results are appended to the run's ``eval_history.parquet`` and shown as a
-table artifact with the whole history, so a scheduled deployment of this flow (``miles serve``)
-shows the trend of a run as it trains."""
+"""The standalone evaluation flow: ``evaluate_run(run_dir, version=None, datasets=None)`` evaluates a
+training run's newest (or a given) published weights on its held-out datasets (or on ``datasets``:
+named ``EvalDatasetConfig`` entries, e.g. a new benchmark), or, for a multi-LoRA run, every
+adapter's newest version, on an evaluation engine of its own (the training run, if still going, is
+not touched). The results are appended to the run's ``eval_history.parquet`` and shown as a table
+artifact with the whole history (with a column per dataset's accuracy when there are named
+datasets), so a scheduled deployment of this flow (``miles serve``) shows the trend of a run as it
+trains."""
 
 from typing import Any, Optional
 
@@ -12,30 +14,41 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.credentials import with_block_credentials
+from miles_core.config import EvalDatasetConfig
 from miles_core.eval.standalone import append_history, open_run, read_history, resolve_run_dir
 from miles_core.eval.standalone import evaluate_run as _evaluate_run
 
+_TABLE_KEYS = ("evaluated_at", "adapter", "version", "step", "accuracy", "reward_mean", "response_len_mean",
+               "truncated_ratio")
+
 
 @task(name="evaluate-snapshot", cache_policy=NO_CACHE, task_run_name="evaluate-{run_name}")
-def evaluate_snapshot(run_dir: str, run_name: str, version: Optional[int], storage_options: dict) -> list[dict]:
+def evaluate_snapshot(run_dir: str, run_name: str, version: Optional[int], storage_options: dict,
+                      datasets: Optional[list[EvalDatasetConfig]] = None) -> list[dict]:
     cfg, _ = open_run(run_dir, storage_options)
     cfg = with_block_credentials(cfg)
-    return _evaluate_run(run_dir, version, cfg.storage.storage_options, cfg=cfg)
+    return _evaluate_run(run_dir, version, cfg.storage.storage_options, cfg=cfg, datasets=datasets)
 
 
 @flow(name="evaluate-run", flow_run_name="evaluate-{run_dir}")
-def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: Optional[dict] = None) -> list[dict[str, Any]]:
+def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: Optional[dict] = None,
+                 datasets: Optional[list[EvalDatasetConfig]] = None) -> list[dict[str, Any]]:
     """Evaluate the run in ``run_dir`` (its newest version, or ``version``); ``run_dir`` may also be
-    the folder of a run name (``<storage.root>/<name>``): its newest run. Returns the new rows."""
+    the folder of a run name (``<storage.root>/<name>``): its newest run. ``datasets``: named
+    held-out datasets to evaluate on instead of the run's own (dicts are validated as
+    ``EvalDatasetConfig``). Returns the new rows."""
     log = get_run_logger()
     options = storage_options or {}
     run_dir = resolve_run_dir(run_dir, options)
-    rows = evaluate_snapshot(run_dir, run_dir.rstrip("/").rsplit("/", 1)[-1], version, options)
+    rows = evaluate_snapshot(run_dir, run_dir.rstrip("/").rsplit("/", 1)[-1], version, options, datasets)
     append_history(run_dir, rows, options)
     for row in rows:
         who = f"adapter {row['adapter']} " if row["adapter"] else ""
-        log.info("%sversion %d: held-out accuracy %.3f", who, row["version"], row["accuracy"])
-    keys = ("evaluated_at", "adapter", "version", "step", "accuracy", "reward_mean", "response_len_mean", "truncated_ratio")
-    history = [{k: r.get(k) for k in keys} for r in read_history(run_dir, options)]
-    create_table_artifact(history, key=None, description=f"held-out evaluations of {run_dir} (oldest first)")
+        named = "".join(f", {k.removesuffix('/accuracy')} {v:.3f}" for k, v in row.items() if k.endswith("/accuracy"))
+        log.info("%sversion %d: held-out accuracy %.3f%s", who, row["version"], row["accuracy"], named)
+    history = read_history(run_dir, options)
+    # parquet gives every row every column; a dataset a row was not evaluated on is None there
+    per_dataset = sorted({k for r in history for k in r if k.endswith("/accuracy")})
+    table = [{k: r.get(k) for k in (*_TABLE_KEYS, *per_dataset)} for r in history]
+    create_table_artifact(table, key=None, description=f"held-out evaluations of {run_dir} (oldest first)")
     return rows

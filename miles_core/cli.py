@@ -198,10 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                        help="set any config field by dotted path, e.g. --set train.lr=3e-4 (value parsed as JSON when it can be)")
         for flag, path in FLAGS.items():
-            if flag == "--custom-rm-path":
+            if flag in ("--custom-rm-path", "--eval-prompt-data"):
                 continue
             _add_flag(p, flag, path)
         p.add_argument("--custom-rm-path", dest="rollout.reward", default=argparse.SUPPRESS, help="custom reward as module:function [rollout.reward]")
+        # Miles' form: NAME PATH pairs; one PATH alone is the single held-out dataset (kept from before)
+        p.add_argument("--eval-prompt-data", dest="eval_prompt_data", nargs="+", default=argparse.SUPPRESS,
+                       metavar="[NAME] PATH", help="held-out prompts: one PATH [eval.data.path], or pairs of dataset "
+                       "name and path NAME PATH [NAME PATH ...] [eval.datasets]; files are read with the training data's keys")
         for flag, (path, value) in SWITCHES.items():
             p.add_argument(flag, dest=f"switch:{path}", action="store_const", const=value, default=argparse.SUPPRESS, help=f"set {path}={value!r}")
     return parser
@@ -231,12 +235,9 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
             value = _switch_backend(data, value)
         if key == "data.path" and (data.get("data") or {}).get("type") != "file":
             data["data"] = {"type": "file", "path": value}
-        if key == "eval.data.path" and ((data.get("eval") or {}).get("data") or {}).get("type") != "file":
-            # eval prompts read like the training prompts unless told otherwise
-            train_data = data.get("data") or {}
-            inherited = {k: v for k, v in train_data.items() if k in _EVAL_INHERITS}
-            data.setdefault("eval", {})["data"] = {**inherited, "type": "file", "path": value}
         _set_path(data, key, value)
+    if "eval_prompt_data" in vars(args):  # after the training data's flags, whatever their order
+        _set_eval_prompt_data(data, args.eval_prompt_data)
     for key, value in vars(args).items():
         if key.startswith("switch:"):
             _set_path(data, key.removeprefix("switch:"), value)
@@ -252,6 +253,26 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     _check_file_flags(data)
     _check_backend_flags(data)
     return RunConfig.model_validate_file_dict(data, source=args.config or "command line")
+
+
+def _set_eval_prompt_data(data: dict[str, Any], values: list[str]) -> None:
+    """``--eval-prompt-data PATH``: the path of ``eval.data`` (a file dataset read like the training
+    data, unless the config file's ``eval.data`` says how); ``NAME PATH [NAME PATH ...]``: these
+    named file datasets, read like the training data, replace the file's ``eval.data`` and ``eval.datasets``."""
+    train_data = data.get("data") or {}
+    inherited = {k: v for k, v in train_data.items() if k in _EVAL_INHERITS}
+    ev = data.setdefault("eval", {})
+    if len(values) == 1:
+        if (ev.get("data") or {}).get("type") != "file":
+            ev["data"] = {**inherited, "type": "file"}
+        ev["data"]["path"] = values[0]
+        return
+    if len(values) % 2:
+        raise SystemExit(f"--eval-prompt-data takes one PATH or NAME PATH pairs; got {len(values)} values: "
+                         f"{' '.join(values)}")
+    pairs = zip(values[::2], values[1::2])
+    ev["data"] = None
+    ev["datasets"] = [{"name": name, "data": {**inherited, "type": "file", "path": path}} for name, path in pairs]
 
 
 def _check_file_flags(data: dict[str, Any]) -> None:

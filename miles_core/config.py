@@ -14,7 +14,7 @@ Parts:
 - ``TrainConfig``: batch sizes, optimizer, loss union (``LossConfig``: grpo, dr_grpo, gspo,
   reinforce_plus_plus, reinforce_plus_plus_baseline), KL and entropy terms, rollout correction, trainer backend union
   (``TorchTrainerConfig`` or ``DeepSpeedTrainerConfig``).
-- ``EvalConfig``: held-out evaluation.
+- ``EvalConfig``: held-out evaluation, on one dataset or several named ones (``EvalDatasetConfig``).
 - ``LoraConfig``: train a LoRA adapter (PEFT) instead of every weight of the policy.
 - ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
 - ``StorageConfig``: where the run's samples, weights and metrics go.
@@ -560,13 +560,58 @@ class TrainConfig(_Base):
 # ----------------------------------------------------------------------------------------- eval
 
 
+IMPLICIT_EVAL_DATASET = "heldout"
+"""The name of the one held-out dataset of an ``[eval]`` without ``datasets``."""
+
+
+class EvalDatasetConfig(_Base):
+    """One named held-out dataset (an ``[[eval.datasets]]`` entry). A setting left unset takes
+    ``eval``'s (and for ``max_response_len`` and ``reward``, then the rollout's)."""
+
+    name: str
+    """Names the dataset's metrics in the evaluation rows (``<name>/accuracy``, ``<name>/pass@4``,
+    ...): letters, digits, ``_`` and ``-``."""
+    data: DataConfig
+    """The dataset's prompts: a ``file`` table (``path``, ``input_key``, ``label_key``, ...) or
+    ``toy`` (held-out problems of the toy task)."""
+    num_prompts: int | None = Field(default=None, ge=1)
+    """Prompts evaluated, the first N (None: ``eval.num_prompts``)."""
+    n_samples_per_prompt: int | None = Field(default=None, ge=1)
+    """Responses per prompt; pass@k is reported for k up to this (None: ``eval.n_samples_per_prompt``)."""
+    temperature: float | None = Field(default=None, ge=0.0)
+    """Sampling temperature (None: ``eval.temperature``)."""
+    max_response_len: int | None = Field(default=None, ge=1)
+    """Max new tokens (None: ``eval.max_response_len``, then the rollout's)."""
+    reward: str | None = None
+    """Reward function (None: ``eval.reward``, then the rollout's)."""
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        import re
+
+        # the name prefixes metric keys ("<name>/accuracy") and table columns
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise ValueError(f"eval dataset name {name!r}: use only letters, digits, '_' and '-' "
+                             "(it names the dataset's metrics, <name>/accuracy)")
+        return name
+
+
 class EvalConfig(_Base):
-    """Held-out evaluation of the policy."""
+    """Held-out evaluation of the policy: one dataset (``data``), or several named ones (``datasets``)."""
 
     eval_interval: int | None = 20
     """Evaluate every N training steps (None: only before and after training)."""
     data: DataConfig | None = None
-    """Held-out prompts (None with toy data: toy problems disjoint from the training ones)."""
+    """Held-out prompts (None with toy data: toy problems disjoint from the training ones). Its
+    metrics are the evaluation's plain keys (``accuracy``, ``pass@1``, ...). Set this or ``datasets``."""
+    datasets: list[EvalDatasetConfig] = Field(default_factory=list)
+    """Several named held-out datasets (``[[eval.datasets]]`` tables with ``name``, ``data`` and,
+    optionally, their own ``num_prompts``, ``n_samples_per_prompt``, ``temperature``,
+    ``max_response_len``, ``reward``; unset ones are this section's). Every evaluation covers each;
+    its row has every dataset's metrics as ``<name>/<metric>`` and the first dataset's also under
+    the plain keys. ``--eval-prompt-data NAME PATH [NAME PATH ...]`` makes file datasets read with
+    the training data's keys. Set this or ``data``."""
     num_prompts: int = 256
     """Held-out prompts evaluated (the first N)."""
     n_samples_per_prompt: int = 1
@@ -594,6 +639,38 @@ class EvalConfig(_Base):
     """Separate engine, when ``max_in_flight`` evaluations are running and another is due:
     ``backpressure`` waits for the oldest to finish, ``skip`` skips this one (the final step's
     evaluation is never skipped)."""
+
+    @model_validator(mode="after")
+    def _check_datasets(self) -> EvalConfig:
+        if self.datasets and self.data is not None:
+            raise ValueError("eval.data and eval.datasets are both set: use eval.datasets alone (add eval.data "
+                             "to it as a named entry), or eval.data alone for one held-out dataset")
+        names = [d.name for d in self.datasets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"eval.datasets: names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def resolved(self, train_data: DataConfig, rollout: RolloutConfig) -> list[EvalDatasetConfig]:
+        """The datasets an evaluation covers, in order, with every setting filled in: ``datasets``,
+        or else one dataset named ``heldout`` of ``data`` (None with toy training data: the toy
+        task's held-out problems). Unset settings take this section's, then the rollout's."""
+        datasets = self.datasets
+        if not datasets:
+            if self.data is None and isinstance(train_data, FileDataConfig):
+                raise ValueError("eval.data is required when training on a file dataset "
+                                 "(set --eval-prompt-data PATH, or eval.datasets)")
+            data = self.data if self.data is not None else train_data
+            datasets = [EvalDatasetConfig(name=IMPLICIT_EVAL_DATASET, data=data)]
+        max_len, reward = self.max_response_len, self.reward
+        defaults = {
+            "num_prompts": self.num_prompts,
+            "n_samples_per_prompt": self.n_samples_per_prompt,
+            "temperature": self.temperature,
+            "max_response_len": max_len if max_len is not None else rollout.rollout_max_response_len,
+            "reward": reward if reward is not None else rollout.reward,
+        }
+        return [d.model_copy(update={k: v for k, v in defaults.items() if getattr(d, k) is None}) for d in datasets]
 
 
 # ----------------------------------------------------------------------------------- checkpoint
@@ -752,21 +829,35 @@ class ResourcesConfig(_Base):
     machine has, e.g. ``gpu`` = 8) that every run on the same Prefect server draws from, so
     concurrent rollout, training and evaluation work stays within the devices, across runs and
     processes. Create the limit with ``miles serve --device-slots gpu=8`` (or Prefect's
-    ``global-concurrency-limit create``); a run naming a pool that does not exist fails at once.
-    A fully-async run holds ``rollout_slots`` for its whole length (the producer) and takes
-    ``train_slots`` per step: the pool must hold both."""
+    ``global-concurrency-limit create``); a run naming a pool that does not exist, or one too
+    small for what the run holds at once, fails at once. A fully-async or multi-LoRA run takes
+    ``rollout_slots + train_slots`` in one go for its whole length (its producer and trainer are
+    busy all along); other runs take each task's slots while it runs."""
 
     pool: str | None = None
     """The concurrency limit to draw slots from (None: take no slots)."""
     rollout_slots: int = Field(default=1, ge=0)
-    """Slots a rollout takes while it generates (fully async: the producer, while it runs)."""
+    """Slots of the rollout engine: a rollout, or an evaluation on the rollout engine, takes them
+    while it generates."""
     train_slots: int = Field(default=1, ge=0)
-    """Slots a training step takes."""
+    """Slots of the trainer: a training step takes them."""
     eval_slots: int = Field(default=1, ge=0)
-    """Slots an evaluation takes."""
+    """Slots of the separate evaluation engine (``eval.engine = "separate"``): an evaluation there
+    takes them."""
 
 
 # ------------------------------------------------------------------------------------------ run
+
+
+REDACTED = "<redacted>"
+
+
+def dataset_tables(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The dataset tables of a raw config (training data, ``eval.data``, each ``eval.datasets``
+    entry's data): where storage options, which may hold secrets, live."""
+    ev = raw.get("eval") or {}
+    tables = [raw.get("data"), ev.get("data"), *((d or {}).get("data") for d in ev.get("datasets") or [])]
+    return [t for t in tables if isinstance(t, dict)]
 
 
 class RunConfig(_Base):
@@ -901,6 +992,7 @@ class RunConfig(_Base):
         """The config as JSON-able data, without secrets (storage options are dropped)."""
         data = self.model_dump(mode="json")
         data["storage"].pop("storage_options", None)
-        if data["data"].get("storage_options"):
-            data["data"]["storage_options"] = "<redacted>"
+        for table in dataset_tables(data):
+            if table.get("storage_options"):
+                table["storage_options"] = REDACTED
         return data

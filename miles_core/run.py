@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import functools
 from typing import TYPE_CHECKING, Any
 
-from miles_core.config import FileDataConfig, RunConfig, ToyDataConfig
+from miles_core.config import EvalDatasetConfig, FileDataConfig, RunConfig, ToyDataConfig
 from miles_core.rollout.generate import PromptItem, generate_groups, rollout_metrics, sampling_params
 from miles_core.types import Group, SampleStatus
 
@@ -90,6 +90,17 @@ def _prompt_rows(data_cfg: FileDataConfig | ToyDataConfig, split: str, limit: in
         return rows_from_dicts(dicts, "prompt", "label", f"toy:{split}")
     rows = load_prompt_rows(data_cfg)
     return rows[:limit] if limit is not None else rows
+
+
+def _eval_prompts(dataset: EvalDatasetConfig, tokenizer) -> list[PromptItem]:
+    """The first ``num_prompts`` of a held-out dataset, rendered; errors name the dataset and file."""
+    try:
+        rows = _prompt_rows(dataset.data, "test", dataset.num_prompts)
+        return _render(rows, dataset.data, tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError  # a missing file stays one
+        where = getattr(dataset.data, "path", "toy task")
+        raise kind(f"eval dataset {dataset.name!r} ({where}): {e}") from e
 
 
 def _render(rows, data_cfg, tokenizer) -> list[PromptItem]:
@@ -200,13 +211,15 @@ class RunSession:
             source.load_state(saved)
         return source
 
+    @property
+    def eval_datasets(self) -> list[EvalDatasetConfig]:
+        """The held-out datasets, in order, every setting filled in (``EvalConfig.resolved``)."""
+        return self.cfg.eval.resolved(self.cfg.data, self.cfg.rollout)
+
     @_built_once
-    def eval_items(self) -> list[PromptItem]:
-        ev = self.cfg.eval
-        data_cfg = ev.data if ev.data is not None else self.cfg.data
-        if ev.data is None and isinstance(data_cfg, FileDataConfig):
-            raise ValueError("eval.data is required when training on a file dataset (set --eval-prompt-data)")
-        return _render(_prompt_rows(data_cfg, "test", ev.num_prompts), data_cfg, self.tokenizer)
+    def eval_items(self) -> dict[str, list[PromptItem]]:
+        """Each held-out dataset's prompts, rendered and tokenized, by dataset name."""
+        return {d.name: _eval_prompts(d, self.tokenizer) for d in self.eval_datasets}
 
     @_built_once
     def reward_fn(self):
@@ -215,14 +228,16 @@ class RunSession:
         return get_reward(self.cfg.rollout.reward)
 
     @_built_once
-    def eval_reward_fn(self):
+    def eval_reward_fn(self) -> dict[str, Any]:
+        """Each held-out dataset's reward function, by dataset name."""
         from miles_core.rewards import get_reward
 
-        return get_reward(self.cfg.eval.reward or self.cfg.rollout.reward)
+        return {d.name: get_reward(d.reward) for d in self.eval_datasets}
 
     def check_data(self) -> dict[str, int]:
-        """Load the training and held-out prompts now, so a bad dataset fails the run before any work."""
-        return {"train_prompts": len(self.source), "eval_prompts": len(self.eval_items)}
+        """Load the training and held-out prompts now, so a bad dataset fails the run before any work.
+        ``eval_prompts`` counts the prompts of every held-out dataset."""
+        return {"train_prompts": len(self.source), "eval_prompts": sum(map(len, self.eval_items.values()))}
 
     def _run(self, coro):
         self.engine  # noqa: B018 (builds the loop with the engine)
@@ -380,17 +395,14 @@ class RunSession:
                 self.weights.unpin(version, reader)
 
     def _evaluate_on(self, engine, step: int, record: bool = True) -> dict[str, float]:
-        from miles_core.eval.metrics import eval_metrics
-        from miles_core.rewards import score_groups
+        """Evaluate ``engine``'s weights on every held-out dataset; one row (``eval_row``: the first
+        dataset's metrics under the plain keys, with ``eval.datasets`` every dataset's as
+        ``<name>/<metric>``), plus ``step`` and ``eval_seconds``."""
+        from miles_core.eval.metrics import eval_row
 
-        ev = self.cfg.eval
         t0 = time.perf_counter()
-        params = sampling_params(ev.max_response_len or self.cfg.rollout.rollout_max_response_len, ev.temperature,
-                                 stop=self.cfg.rollout.rollout_stop,
-                                 stop_token_ids=self.cfg.rollout.rollout_stop_token_ids)
-        groups = self._run(generate_groups(engine, self.eval_items, ev.n_samples_per_prompt, params, 0, seed=self.cfg.seed))
-        self._run(score_groups(self.eval_reward_fn, groups))
-        metrics = eval_metrics(groups, engine.weight_version)
+        per_dataset = {d.name: self._evaluate_dataset(engine, d) for d in self.eval_datasets}
+        metrics = eval_row(per_dataset, named=bool(self.cfg.eval.datasets))
         metrics.update(step=float(step), eval_seconds=time.perf_counter() - t0)
         if not record:
             return metrics
@@ -399,6 +411,19 @@ class RunSession:
             self._evals.sort(key=lambda e: e["step"])
             self.layout.write_jsonl("eval.jsonl", self._evals)
         return metrics
+
+    def _evaluate_dataset(self, engine, dataset: EvalDatasetConfig) -> dict[str, float]:
+        """Generate for and score one held-out dataset; its ``eval_metrics``."""
+        from miles_core.eval.metrics import eval_metrics
+        from miles_core.rewards import score_groups
+
+        r = self.cfg.rollout
+        params = sampling_params(dataset.max_response_len, dataset.temperature, stop=r.rollout_stop,
+                                 stop_token_ids=r.rollout_stop_token_ids)
+        items = self.eval_items[dataset.name]
+        groups = self._run(generate_groups(engine, items, dataset.n_samples_per_prompt, params, 0, seed=self.cfg.seed))
+        self._run(score_groups(self.eval_reward_fn[dataset.name], groups))
+        return eval_metrics(groups, engine.weight_version)
 
     def record(self, step: int, row: dict[str, Any]) -> None:
         """Append one step's metrics to ``metrics.jsonl`` in the run folder."""

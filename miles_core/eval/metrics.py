@@ -1,4 +1,5 @@
-"""Evaluation metrics: pass@k (unbiased estimator) and the summary of an evaluated batch."""
+"""Evaluation metrics: pass@k (unbiased estimator), the summary of an evaluated batch
+(``eval_metrics``), and one evaluation's row over several datasets (``eval_row``)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,17 @@ def eval_metrics(groups: Sequence[Group], weight_version: int) -> dict[str, floa
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(groups)
         k *= 2
     return out
+
+
+def eval_row(per_dataset: dict[str, dict[str, float]], named: bool) -> dict[str, float]:
+    """One evaluation's row from each dataset's ``eval_metrics`` (in the config's order): the first
+    dataset's metrics under the plain keys (the run's headline: ``accuracy``, ``pass@1``, ...) and,
+    when ``named``, every dataset's also as ``<name>/<metric>`` (``gsm8k/accuracy``).
+    ``weight_version`` stays plain only: one version is evaluated on all of them."""
+    if not per_dataset:
+        raise ValueError("eval_row: no datasets were evaluated")
+    row = dict(next(iter(per_dataset.values())))
+    if named:
+        for name, metrics in per_dataset.items():
+            row.update({f"{name}/{key}": value for key, value in metrics.items() if key != "weight_version"})
+    return row

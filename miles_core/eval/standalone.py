@@ -2,13 +2,16 @@
 
 - ``resolve_run_dir(path)``: a run folder, or the newest run in a folder of runs of one name.
 - ``open_run(run_dir)``: the run's config (``config.json``) and references, from its folder URL.
-- ``evaluate_run(run_dir, version=None)``: evaluates the run's newest (or a given) published
-  version on its held-out prompts, on an evaluation engine that loads that snapshot (pinned in the
-  weight store meanwhile); for a multi-LoRA run, the newest version of every adapter. Returns one
-  row per evaluated policy. The run's own ``eval.jsonl`` (its in-run history) is left as it is.
+- ``evaluate_run(run_dir, version=None, datasets=None)``: evaluates the run's newest (or a given)
+  published version on its held-out datasets (or on ``datasets``, e.g. a new benchmark), on an
+  evaluation engine that loads that snapshot (pinned in the weight store meanwhile); for a
+  multi-LoRA run, the newest version of every adapter. Returns one row per evaluated policy (with
+  named datasets, each dataset's metrics as ``<name>/<metric>``). The run's own ``eval.jsonl``
+  (its in-run history) is left as it is.
 - ``append_history(run_dir, rows)``: adds rows to ``eval_history.parquet`` in the run folder (the
-  record of standalone evaluations: when, which adapter and version, the metrics), written whole
-  and atomically (object stores cannot append); ``read_history(run_dir)`` reads it back.
+  record of standalone evaluations: when, which adapter and version, the metrics; its columns are
+  the union of the rows' keys, so evaluations on other datasets add columns), written whole and
+  atomically (object stores cannot append); ``read_history(run_dir)`` reads it back.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from miles_core.config import RunConfig
+from miles_core.config import REDACTED, EvalDatasetConfig, RunConfig, dataset_tables
 from miles_core.run import RunRefs, RunSession
 
 HISTORY_FILE = "eval_history.parquet"
@@ -59,8 +62,9 @@ def open_run(run_dir: str, storage_options: dict[str, Any] | None = None) -> tup
     raw = layout.read_json("config.json")
     if raw is None:
         raise FileNotFoundError(f"{run_dir}: no config.json (is it the folder of a training run?)")
-    if raw.get("data", {}).get("storage_options") == "<redacted>":
-        raw["data"]["storage_options"] = {}
+    for table in dataset_tables(raw):  # redacted when the run saved it: give them again if needed
+        if table.get("storage_options") == REDACTED:
+            table["storage_options"] = {}
     raw["storage"] = {**raw["storage"], "root": root, "storage_options": storage_options or {}}
     raw["run_id"] = run_id
     cfg = RunConfig.model_validate_file_dict(raw, source=f"{run_dir}/config.json")
@@ -85,15 +89,28 @@ def _evaluate_session(session: RunSession, version: int | None, adapter: str | N
             "adapter": adapter, "version": version, "step": step, **{k: v for k, v in metrics.items() if k != "step"}}
 
 
+def with_eval_datasets(cfg: RunConfig, datasets: list[EvalDatasetConfig | dict[str, Any]]) -> RunConfig:
+    """``cfg`` evaluating on ``datasets`` (entries or their dicts, validated) instead of its own."""
+    if not datasets:
+        raise ValueError("datasets: give at least one dataset to evaluate on (None: the run's own)")
+    raw = cfg.model_dump()
+    raw["eval"].update(data=None, datasets=list(datasets))
+    return RunConfig.model_validate_file_dict(raw, source="evaluation datasets")
+
+
 def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict[str, Any] | None = None,
-                 cfg: RunConfig | None = None) -> list[dict[str, Any]]:
-    """Evaluate the run's newest (or ``version``) weights; a multi-LoRA run: every adapter's newest."""
+                 cfg: RunConfig | None = None,
+                 datasets: list[EvalDatasetConfig | dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Evaluate the run's newest (or ``version``) weights; a multi-LoRA run: every adapter's newest.
+    ``datasets``: evaluate on these (named) datasets instead of the run's own held-out ones."""
     from miles_core.multi_lora import MultiLoraRun
 
     if cfg is None:
         cfg, refs = open_run(run_dir, storage_options)
     else:
         refs = open_run(run_dir, storage_options)[1]
+    if datasets is not None:
+        cfg = with_eval_datasets(cfg, datasets)
     if cfg.multi_lora is None:
         session = RunSession(cfg, refs)
         try:

@@ -56,3 +56,54 @@ def test_evaluate_every_adapter_of_a_multi_lora_run(prefect_backend, demo_model,
         row = by_adapter[adapter["name"]]
         assert row["version"] == adapter["final_version"] == 2
         assert row["accuracy"] == adapter["accuracy_after"], adapter["name"]
+
+
+def test_evaluate_a_run_on_named_datasets_of_its_own(prefect_backend, tiny_model_dir, tmp_path):
+    """A scheduled evaluation on a new benchmark: ``datasets`` (dicts, validated) instead of the run's
+    own held-out prompts; the rows are wide, and so are the history and its table artifact."""
+    import asyncio
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.evaluate import evaluate_run
+    from flows.train import train
+    from miles_core.eval.standalone import read_history
+
+    summary = train(_tiny_run(tmp_path, tiny_model_dir))
+    run_dir = summary["run_dir"]
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    datasets = [
+        {"name": "toy", "data": {"type": "toy"}},  # the run's own held-out problems, with its eval settings
+        {"name": "qa", "data": {"type": "file", "path": str(qa), "input_key": "question", "label_key": "answer"},
+         "n_samples_per_prompt": 2, "temperature": 1.0},
+    ]
+    state = evaluate_run(run_dir, datasets=datasets, return_state=True)
+    [row] = state.result()
+    # the same version, prompts and settings as the run's last evaluation; the first dataset is the headline
+    last = json.loads((Path(run_dir) / "eval.jsonl").read_text().splitlines()[-1])
+    metrics = [k for k in last if k not in ("step", "eval_seconds", "weight_version")]
+    assert {k: row[f"toy/{k}"] for k in metrics} == {k: row[k] for k in metrics} == {k: last[k] for k in metrics}
+    assert (row["toy/num_prompts"], row["qa/num_prompts"], row["version"]) == (8, 3, 6)
+    assert "qa/pass@2" in row and "toy/pass@2" not in row
+    [own] = evaluate_run(run_dir)
+    assert not [k for k in own if "/" in k], "the run's own single dataset: plain keys, as before"
+
+    history = read_history(run_dir)
+    assert [r["qa/accuracy"] is not None for r in history] == [True, False]
+
+    async def table():
+        async with get_client() as client:
+            [artifact] = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+            return artifact.data
+
+    data = asyncio.run(table())
+    rows = json.loads(data) if isinstance(data, str) else data
+    assert rows[0]["qa/accuracy"] == row["qa/accuracy"] and rows[0]["toy/accuracy"] == row["toy/accuracy"]
+
+    with pytest.raises(ParameterTypeError, match="eval dataset name 'bad name'"):
+        evaluate_run(run_dir, datasets=[{"name": "bad name", "data": {"type": "toy"}}])

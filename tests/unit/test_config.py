@@ -180,6 +180,21 @@ def test_public_dict_drops_storage_secrets():
     assert isinstance(RunConfig().data, ToyDataConfig)
 
 
+def test_public_dict_redacts_every_datasets_storage_options():
+    secret = {"key": "AKIA", "secret": "hunter2"}
+    cfg = RunConfig.model_validate({
+        "data": {"type": "file", "path": "s3://b/train.jsonl", "storage_options": secret},
+        "eval": {"datasets": [{"name": "a", "data": {"type": "file", "path": "s3://b/a.jsonl", "storage_options": secret}},
+                              {"name": "b", "data": {"type": "toy"}}]},
+    })
+    public = cfg.public_dict()
+    assert "hunter2" not in str(public)
+    assert public["eval"]["datasets"][0]["data"]["storage_options"] == "<redacted>"
+    assert public["data"]["storage_options"] == "<redacted>"
+    cfg = RunConfig.model_validate({"eval": {"data": {"type": "file", "path": "s3://b/t.jsonl", "storage_options": secret}}})
+    assert "hunter2" not in str(cfg.public_dict())
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
     RunConfig.from_toml(path)
