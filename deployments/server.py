@@ -301,6 +301,9 @@ class LocalServer:
             "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_UI_ENABLED": "true",
+            # the UI's pages call the API at this URL; left unset, they call the default port 4200
+            # whatever port the server is on (found by the browser test)
+            "PREFECT_UI_API_URL": f"http://{HOST}:{port}/api",
         })
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
                "--ui", "--analytics-off"]

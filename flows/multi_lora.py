@@ -23,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
 from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
+from miles_core.report import curves_png, data_url, reward_points, run_curves
 from miles_core.run import RunRefs, checkpoint_due
 from tasks.multi_lora import (
     check_data,
@@ -37,7 +38,7 @@ from tasks.multi_lora import (
     save_adapter_checkpoint,
     train_adapter,
 )
-from tasks.slots import check_device_pool
+from tasks.slots import check_device_pool, run_slots
 from tasks.train import prepare_run
 
 
@@ -83,25 +84,27 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
     run = get_multi_lora_run(cfg, refs)
     log.info("multi-LoRA run %s: %s; adapters %s, rollout source %s", refs.run_id, refs.run_dir,
              ", ".join(run.names), cfg.multi_lora.rollout_source)
-    producer = None
     try:
         _refuse_resume(run)
         counts = check_data(cfg, refs)
         log.info("prompts: %d for training, %d held out", counts["train_prompts"], counts["eval_prompts"])
-        before = None if cfg.eval.skip_eval_before_train else evaluate_base(cfg, refs)
-        if before:
-            log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
-        producer = rollout_producer.submit(cfg, refs)
-        states = _run_adapters(cfg, refs, run, log)
-        run.shared.stop_producer()
-        producer.wait(timeout=120)
-        producer = None
+        with run_slots(cfg):  # the rollout engine and the trainers, for the run's length
+            before = None if cfg.eval.skip_eval_before_train else evaluate_base(cfg, refs)
+            if before:
+                log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
+            producer = rollout_producer.submit(cfg, refs)
+            try:
+                states = _run_adapters(cfg, refs, run, log)
+            finally:  # the producer stops before the run's slots go
+                run.shared.stop_producer()
+                producer.wait(timeout=120)
         run.shared._check_producer()  # a dead producer fails the run with its own error
         summary = _summary(cfg, refs, run, before, time.perf_counter() - t_start)
         run.shared.finish(summary)
         run.shared.layout.write_text("adapters.md", _report(cfg, summary))
         create_markdown_artifact(_report(cfg, summary), key=None, description=f"{cfg.name}: multi-LoRA summary")
         _publish_table(cfg, summary)
+        _publish_curves(cfg, run, summary)
         failed = sorted(run.failed)
         if failed:
             log.error("adapters failed: %s (the others completed; see summary.json)", ", ".join(failed))
@@ -109,9 +112,6 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
             states[failed[0]].result()  # every adapter failed: the run fails with the first one's error
         return summary
     finally:
-        if producer is not None:
-            run.shared.stop_producer()
-            producer.wait(timeout=120)
         close_multi_lora_run(refs)
 
 
@@ -179,6 +179,23 @@ def _publish_table(cfg: RunConfig, summary: dict[str, Any]) -> None:
     rows = [{k: a[k] for k in ("name", "status", "lr", "lora_rank", "steps", "final_version", "accuracy_before",
                                "accuracy_after", "error")} for a in summary["adapters"]]
     create_table_artifact(rows, key=None, description=f"{cfg.name}: adapters")
+
+
+def _publish_curves(cfg: RunConfig, run, summary: dict[str, Any]) -> None:
+    """An image per adapter (its reward and held-out accuracy per step, in ``adapters/<name>/curves.png``)
+    and one with every adapter side by side (``curves.png``)."""
+    reward = {}
+    for name, session in run.adapters.items():
+        png = run_curves(session.metrics_rows, session.eval_rows, f"{cfg.name}: adapter {name}")
+        url = session.layout.write_bytes("curves.png", png)
+        create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: adapter {name}, reward and held-out "
+                                                                   f"accuracy per step (also {url})")
+        reward[name] = reward_points(session.metrics_rows)
+    before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
+    accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
+    png = curves_png(reward, accuracy, f"{cfg.name}: every adapter")
+    url = run.shared.layout.write_bytes("curves.png", png)
+    create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: every adapter side by side (also {url})")
 
 
 def _report(cfg: RunConfig, summary: dict[str, Any]) -> str:

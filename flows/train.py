@@ -17,7 +17,8 @@ just published (pinned in the weight store meanwhile) while training goes on (``
 engine between steps (fully async: the producer pauses meanwhile). A checkpoint is saved every
 ``checkpoint.save_interval`` steps and after the last one. Per-step metrics go to
 ``metrics.jsonl`` in the run folder and to Prefect artifacts (a progress bar during the run, a
-metrics table and a markdown summary at the end).
+metrics table, the reward and accuracy curves (``curves.png``, an image artifact) and a markdown
+summary at the end).
 
 Resuming: a ``cfg.run_id`` naming a run with a checkpoint at step k goes on from step k + 1
 (``resume-run``; see ``RunSession.resume``) up to ``rollout.num_rollout``, keeping the run's
@@ -26,18 +27,26 @@ evaluation before training. A run with steps done but no checkpoint fails rather
 
 
 import contextvars
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_image_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
+from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
-from tasks.slots import check_device_pool
+from tasks.slots import check_device_pool, run_slots
 from tasks.train import (
     check_data,
     evaluate,
@@ -66,7 +75,11 @@ def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
 
 
 def _eval_line(label: str, ev: dict[str, float]) -> str:
-    return f"eval {label}: accuracy {ev['accuracy']:.3f} on {int(ev['num_prompts'])} held-out prompts (weights v{int(ev['weight_version'])})"
+    line = f"eval {label}: accuracy {ev['accuracy']:.3f} on {int(ev['num_prompts'])} held-out prompts (weights v{int(ev['weight_version'])})"
+    named = [(k.removesuffix("/accuracy"), v) for k, v in ev.items() if k.endswith("/accuracy")]
+    if named:  # named eval datasets: the plain numbers are the first one's
+        line += " | " + ", ".join(f"{name} {value:.3f}" for name, value in named)
+    return line
 
 
 def _due(cfg: RunConfig, step: int) -> bool:
@@ -96,9 +109,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                      start + 1, total)
         progress = create_progress_artifact(100.0 * start / total, key=None,
                                             description=f"{cfg.name}: steps done out of {total}")
-        before = _before_training(cfg, refs, session, start, log)
         steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
-        with InRunEvals(cfg, refs, log) as evals:
+        with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
+            before = _before_training(cfg, refs, session, start, log)
             for step, row, r in steps(cfg, refs, session, start):
                 if _due(cfg, step) and cfg.eval.engine == "shared":
                     row["eval_accuracy"] = _evaluate_now(cfg, refs, session, step + 1)["accuracy"]
@@ -277,6 +290,10 @@ def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any
 
 
 def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None:
+    png = run_curves(session.metrics_rows, session.eval_rows, f"{cfg.name} ({summary['run_id']})")
+    curves = session.layout.write_bytes("curves.png", png)
+    create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: reward and held-out accuracy per step "
+                                                               f"(also {curves})")
     keys = ["step", "reward_mean", "accuracy", "loss", "kl", "grad_norm", "response_len_mean", "truncated_ratio",
             "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s"]
     table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k in keys}
@@ -290,10 +307,16 @@ def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None
         "| held-out accuracy | value |", "|---|---|",
         f"| before training | {fmt(before)} |", f"| after {summary['steps']} steps | {fmt(after)} |",
         "",
-        f"- run folder: `{summary['run_dir']}`",
-        f"- metrics: `{summary['metrics']}`",
-        f"- samples: `{summary['samples']}`",
-        f"- weights: `{summary['weights']}` (latest version {summary['final_version']})",
+        f"- run folder: {_link(summary['run_dir'])}",
+        f"- metrics: {_link(summary['metrics'])}, evaluations: {_link(summary['eval'])}, curves: {_link(curves)}",
+        f"- samples: {_link(summary['samples'])}",
+        f"- weights: {_link(summary['weights'])} (latest version {summary['final_version']})",
         f"- wall time: {summary['seconds']} s",
     ])
     create_markdown_artifact(md, key=None, description=f"{cfg.name} summary")
+
+
+def _link(url: str) -> str:
+    """A markdown link to a run file: ``file://`` for a local folder, the URL itself otherwise."""
+    href = url if "://" in url else "file://" + os.path.abspath(url)
+    return f"[{url}]({href})"

@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# the UI test drives Debian's Chromium (headless); install it when missing and we may
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }) \
+    || echo "warning: could not install chromium: the UI test will be skipped (or fail under CI)" >&2
+fi
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect-test-home}"
 mkdir -p "$PREFECT_HOME"
 # pytest exits 5 when it collected no tests: that is a failure here, like any other non-zero code.

@@ -17,8 +17,7 @@ def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
     """Generate for every adapter into the run's sample stream until the flow stops the producer."""
     run = get_multi_lora_run(cfg, refs)
     run.build_producer()
-    with device_slots(cfg, "rollout"):
-        return run.shared.run_producer()
+    return run.shared.run_producer()  # on the slots the flow holds for the run
 
 
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
@@ -29,7 +28,7 @@ def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
 @task(name="evaluate-base", cache_policy=NO_CACHE, task_run_name="evaluate-base")
 def evaluate_base(cfg: RunConfig, refs: RunRefs) -> dict[str, float]:
     """The base model on the held-out prompts: every adapter's version 0."""
-    with device_slots(cfg, "eval"):
+    with device_slots(cfg, "rollout"):  # on the rollout engine: covered by the run's slots
         return get_multi_lora_run(cfg, refs).shared.evaluate(0)
 
 
@@ -47,7 +46,7 @@ def train_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> TrainR
 @task(name="evaluate-adapter", cache_policy=NO_CACHE, task_run_name="evaluate-{name}-step-{step}")
 def evaluate_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> dict[str, float]:
     """The adapter's current version on the held-out prompts, generated beside the producer's work."""
-    with device_slots(cfg, "eval"):
+    with device_slots(cfg, "rollout"):
         return get_multi_lora_run(cfg, refs).adapters[name].evaluate(step)
 
 

@@ -46,7 +46,8 @@ def push_weights(cfg: RunConfig, refs: RunRefs, train_ref: TrainRef) -> float:
 
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
-    with device_slots(cfg, "eval"):
+    """Evaluate the rollout engine's weights (it generates there: the rollout's slots)."""
+    with device_slots(cfg, "rollout"):
         return get_session(cfg, refs).evaluate(step)
 
 
@@ -64,14 +65,13 @@ def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: Rollo
 
 @task(name="rollout-producer", cache_policy=NO_CACHE, task_run_name="rollout-producer")
 def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
-    """Fully async: generate into the sample stream until the flow stops the producer (holding the
-    rollout slots all along)."""
-    with device_slots(cfg, "rollout"):
-        return get_session(cfg, refs).run_producer()
+    """Fully async: generate into the sample stream until the flow stops the producer (on the
+    slots the flow holds for the run)."""
+    return get_session(cfg, refs).run_producer()
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{step}")
 def train_from_stream(cfg: RunConfig, refs: RunRefs, step: int) -> TrainRef:
-    """Fully async: wait for a batch of groups from the producer and train on it."""
-    with device_slots(cfg, "train"):
-        return get_session(cfg, refs).train_from_stream(step, warn=get_run_logger().warning)
+    """Fully async: wait for a batch of groups from the producer and train on it (on the slots the
+    flow holds for the run)."""
+    return get_session(cfg, refs).train_from_stream(step, warn=get_run_logger().warning)

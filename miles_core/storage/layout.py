@@ -156,7 +156,11 @@ class RunLayout:
 
     def write_text(self, rel: str, text: str) -> str:
         """Replace the text file ``rel`` under the run folder atomically (a report); returns its URL."""
-        atomic_write(self.fs, join(self.path, rel), text.encode())
+        return self.write_bytes(rel, text.encode())
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """Replace the file ``rel`` under the run folder atomically (an image); returns its URL."""
+        atomic_write(self.fs, join(self.path, rel), data)
         return self.url(rel)
 
     def read_json(self, rel: str) -> Any | None:

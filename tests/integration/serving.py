@@ -27,9 +27,11 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
 
 
 @contextlib.contextmanager
-def served(argv: list[str], api_url: str, tail: int = 40) -> Iterator[subprocess.Popen]:
-    """``python <argv>`` from the repository root against ``api_url`` (its runner polling every second)."""
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": str(REPO)}
+def served(argv: list[str], api_url: str, tail: int = 40, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """``python <argv>`` from the repository root against ``api_url`` (its runner, or worker, polling
+    every second), with ``env`` added to this process's environment."""
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -2,8 +2,7 @@
 
 In process: ``start_run`` returns while the run goes on, the handle follows it through the API,
 ``wait`` returns the summary (or raises RunFailed naming the flow's error), ``metrics`` reads the
-run folder. On a deployment: the train flow is served by a subprocess (as in test_cancel.py), a
-run started there completes and a second one is cancelled through ``RunHandle.cancel``."""
+run folder. Runs on served deployments, and their cancellation, are in test_serve.py."""
 
 from __future__ import annotations
 
@@ -12,15 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import served, wait_for
-
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-SERVE = """
-from flows.train import train
-train.serve(name="api-test", print_starting_message=False)
-"""
 
 
 def _cfg(tmp_path: Path, model_dir: Path, **overrides):
@@ -63,6 +54,8 @@ def test_in_process_run_is_followed_through_the_api(prefect_backend, tiny_model_
     [row] = run.evaluate()
     assert row["version"] == 6 and row["accuracy"] == run.evals()[-1]["accuracy"]
     assert run.evaluate(version=2)[0]["step"] == 1
+    [named] = run.evaluate(datasets=[{"name": "more-toy", "data": {"type": "toy", "seed": 7}, "num_prompts": 6}])
+    assert named["more-toy/num_prompts"] == 6 and named["version"] == 6
 
     assert api.get_run(run.id) is run  # this process's own handle
     monkeypatch.setattr(api, "_LOCAL_RUNS", {})  # as another process would see it: from the API only
@@ -86,44 +79,3 @@ def test_a_failing_run_raises_run_failed_with_the_flows_error(prefect_backend, t
         start_run(cfg, wait=True, timeout=120)
     assert info.value.state.is_failed()
     assert isinstance(info.value.__cause__, FileNotFoundError)
-
-
-def test_deployment_runs_complete_and_cancel(prefect_backend, tiny_model_dir, tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    from deployments.api import get_run, start_run
-
-    with served(["-c", SERVE], prefect_backend):
-        with pytest.raises(LookupError, match="prefect deployment ls"):
-            start_run(_cfg(tmp_path, tiny_model_dir), deployment="train/no-such-deployment")
-
-        def deployed() -> bool:
-            with get_client(sync_client=True) as client:
-                try:
-                    return bool(client.read_deployment_by_name("train/api-test"))
-                except ObjectNotFound:
-                    return False
-
-        wait_for(deployed, 90, "the served deployment")
-        t = time.monotonic()
-        run = start_run(_cfg(tmp_path, tiny_model_dir), deployment="train/api-test")
-        summary = run.wait(timeout=300)
-        print(f"deployment run: {time.monotonic() - t:.1f} s")
-        assert run.status() == "COMPLETED" and not run.in_process
-        assert summary["run_id"] == run.run_id and summary["final_version"] == 6
-        assert [r["step"] for r in run.metrics()] == [1, 2, 3]
-        again = get_run(run.id)
-        assert (again.run_id, again.in_process, again.metrics()) == (run.run_id, False, run.metrics())
-
-        endless = _cfg(tmp_path, tiny_model_dir, rollout={"num_rollout": 10_000, "rollout_batch_size": 4,
-                                                          "n_samples_per_prompt": 4, "rollout_max_response_len": 4},
-                       eval={"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True})
-        run = start_run(endless, deployment="train/api-test")
-        wait_for(lambda: len(run.metrics()) >= 1, 120, "a first training step")
-        t = time.monotonic()
-        state = run.cancel(timeout=60)
-        print(f"cancel: {time.monotonic() - t:.1f} s")
-        assert state.is_cancelled(), state
-        assert run.status() == "CANCELLED"
-

@@ -1,65 +1,98 @@
 """`miles serve` against a real Prefect server on PostgreSQL (``miles server``'s, started by the
-test, its scheduler polling every 2 s): the deployments are registered with the run config as their
-validated parameter, a training deployment runs to completion through the Python API, and the
-scheduled evaluation fires on its own and lands in the run's evaluation history."""
+tests, its scheduler polling every 2 s), as people use it:
+
+- the deployments are registered with the run config as their validated parameter (the UI's form);
+- a run started through the Python API and one started with ``prefect deployment run`` (the CLI)
+  complete on the served deployment, each with its artifacts (metrics table, summary, curves image);
+- the scheduled evaluation fires on its own and lands in the run's evaluation history;
+- a fully-async run cancelled through the API (as the UI's Cancel button does) ends CANCELLED within
+  seconds, its producer stopped and no partial segment left in its sample stream;
+- headless Chromium opens the served UI and finds the training deployment and the completed run with
+  its artifacts, its curves image drawn (screenshots kept as test artifacts).
+
+One server (``postgres_backend``) and one ``miles serve`` process serve the whole module (each takes seconds to
+start).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
-from serving import served, wait_for
+from serving import REPO, served, wait_for
 from test_train_flow import _tiny_run
 
 pytestmark = pytest.mark.integration
 
+SCREENSHOTS = Path(os.environ.get("MILES_TEST_ARTIFACTS", REPO / "test-artifacts"))
+
 
 @pytest.fixture(scope="module")
-def postgres_backend():
-    from postgres_server import postgres_prefect_server, prefect_api
+def runs_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("served") / "runs"
 
-    scheduler = "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS"
-    before = os.environ.get(scheduler)
-    os.environ[scheduler] = "2"  # the server inherits it: scheduled runs appear within seconds
-    try:
-        with postgres_prefect_server() as api_url, prefect_api(api_url):
-            yield api_url
-    finally:
-        if before is None:
-            os.environ.pop(scheduler, None)
-        else:
-            os.environ[scheduler] = before
+
+@pytest.fixture(scope="module")
+def first_run(postgres_backend, tiny_model_dir, runs_root) -> dict:
+    """A finished run (in this process) for the scheduled evaluation to find."""
+    from flows.train import train
+
+    return train(_cfg(runs_root, tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def serving(postgres_backend, first_run, tiny_model_dir, runs_root):
+    """``miles serve`` with the scheduled evaluation of the newest ``flow-test`` run every 5 s."""
+    argv = ["-m", "deployments.cli", "serve", "--hf-checkpoint", str(tiny_model_dir), "--storage-root", str(runs_root),
+            "--eval-runs", str(runs_root / "flow-test"), "--eval-every-s", "5"]
+    with served(argv, postgres_backend, tail=60) as server:
+        wait_for(lambda: server.poll() is None and _deployment("evaluate-run/scheduled"), 90, "the served deployments")
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api_run(serving, tiny_model_dir, runs_root):
+    """A ``train/sync`` deployment run started with the Python API, finished."""
+    from deployments.api import start_run
+
+    run = start_run(_cfg(runs_root, tiny_model_dir), deployment="train/sync")
+    run.wait(timeout=240)
+    return run
+
+
+def _cfg(root: Path, model_dir, **overrides):
+    return _tiny_run(root.parent, model_dir, **overrides)  # _tiny_run puts runs under <arg>/runs
+
+
+def _client_call(fn):
+    from prefect.client.orchestration import get_client
+
+    async def call():
+        async with get_client() as client:
+            return await fn(client)
+
+    return asyncio.run(call())
 
 
 def _deployment(name: str):
-    from prefect.client.orchestration import get_client
+    async def read(client):
+        try:
+            return await client.read_deployment_by_name(name)
+        except Exception:
+            return None
 
-    async def read():
-        async with get_client() as client:
-            try:
-                return await client.read_deployment_by_name(name)
-            except Exception:
-                return None
-
-    return asyncio.run(read())
+    return _client_call(read)
 
 
-def _run_states(deployment_id) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-
-    async def read():
-        async with get_client() as client:
-            runs = await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
-            return [f"{r.state_type.value}:{r.state.message if r.state else ''}" for r in runs]
-
-    return asyncio.run(read())
-
-
-def _completed_runs(deployment_id) -> int:
-    from prefect.client.orchestration import get_client
+def _flow_runs(deployment_id, state: str | None = None):
     from prefect.client.schemas.filters import (
         DeploymentFilter,
         DeploymentFilterId,
@@ -68,53 +101,174 @@ def _completed_runs(deployment_id) -> int:
         FlowRunFilterStateType,
     )
 
-    async def count():
-        async with get_client() as client:
-            runs = await client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
-                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["COMPLETED"]))))
-            return len(runs)
-
-    return asyncio.run(count())
+    state_filter = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[state]))) if state else None
+    return _client_call(lambda client: client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])), flow_run_filter=state_filter))
 
 
-def test_serve_registers_deployments_runs_one_and_fires_the_scheduled_eval(postgres_backend, tiny_model_dir, tmp_path):
-    from deployments.api import start_run
-    from flows.train import train
+def _artifacts(flow_run_id) -> dict[str, list]:
+    """The flow run's artifacts by type."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    found = _client_call(lambda client: client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))))
+    by_type: dict[str, list] = {}
+    for artifact in found:
+        by_type.setdefault(artifact.type, []).append(artifact)
+    return by_type
+
+
+def _assert_run_artifacts(flow_run_id, run_dir: str) -> None:
+    artifacts = _artifacts(flow_run_id)
+    assert {"table", "markdown", "image", "progress"} <= set(artifacts), sorted(artifacts)
+    [image] = artifacts["image"]
+    assert image.data.startswith("data:image/png;base64,") and len(image.data) > 5000, image.data[:80]
+    assert (Path(run_dir) / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [summary] = artifacts["markdown"]
+    assert f"[{run_dir}](file://{run_dir})" in summary.data, summary.data  # a link to the run folder
+    [table] = artifacts["table"]
+    assert [row["step"] for row in json.loads(table.data)] == [1, 2, 3]
+
+
+def test_deployments_are_registered_with_the_run_config_form(serving, tiny_model_dir, runs_root):
+    for name in ("train/sync", "train/async", "train/fully-async", "train-multi-lora/multi-lora",
+                 "evaluate-run/on-demand", "evaluate-run/scheduled"):
+        assert _deployment(name) is not None, name
+    sync = _deployment("train/sync")
+    # the parameter is the pydantic RunConfig: the UI renders (and validates) a form from this schema
+    schema = sync.parameter_openapi_schema
+    assert schema["properties"]["cfg"]["$ref"].endswith("/RunConfig") and "RunConfig" in schema["definitions"]
+    assert sync.parameters["cfg"]["model"]["path"] == str(tiny_model_dir)  # serve's config: the defaults
+    assert _deployment("train/fully-async").parameters["cfg"]["mode"] == "fully_async"
+    scheduled = _deployment("evaluate-run/scheduled")
+    assert scheduled.schedules and scheduled.parameters == {"run_dir": str(runs_root / "flow-test")}
+
+
+def test_a_run_started_with_the_python_api_completes_with_its_artifacts(api_run):
+    summary = api_run.wait()
+    assert summary["final_version"] == 6 and api_run.status() == "COMPLETED" and not api_run.in_process
+    assert [r["step"] for r in api_run.metrics()] == [1, 2, 3]
+    _assert_run_artifacts(api_run.id, api_run.run_dir)
+
+
+def test_a_run_started_with_prefect_deployment_run_completes_with_its_artifacts(serving, postgres_backend,
+                                                                                tiny_model_dir, runs_root):
+    from deployments.api import get_run
+
+    run_id = "cli-" + uuid.uuid4().hex[:8]  # named up front, so the handle finds its folder
+    cfg = _cfg(runs_root, tiny_model_dir, name="cli-test", run_id=run_id).model_dump(mode="json")
+    cli = subprocess.run([str(Path(sys.executable).parent / "prefect"), "deployment", "run", "train/sync",
+                          "--param", f"cfg={json.dumps(cfg)}"],
+                         env={**os.environ, "PREFECT_API_URL": postgres_backend}, capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", cli.stdout).group(1)
+    run = get_run(flow_run_id)
+    summary = run.wait(timeout=240)
+    assert run.status() == "COMPLETED" and summary["run_id"] == run_id and summary["final_version"] == 6
+    _assert_run_artifacts(run.id, run.run_dir)
+
+
+def test_the_scheduled_evaluation_fires(serving, api_run, runs_root):
     from miles_core.eval.standalone import read_history
 
-    first = train(_tiny_run(tmp_path, tiny_model_dir))  # a run for the scheduled evaluation to find
-    runs = tmp_path / "runs" / "flow-test"
-    argv = ["-m", "deployments.cli", "serve", "--hf-checkpoint", str(tiny_model_dir),
-            "--storage-root", str(tmp_path / "runs"), "--eval-runs", str(runs), "--eval-every-s", "5"]
-    with served(argv, postgres_backend) as server:
-        wait_for(lambda: server.poll() is None and _deployment("evaluate-run/scheduled"), 90, "the served deployments")
-        for name in ("train/sync", "train/async", "train/fully-async", "train-multi-lora/multi-lora",
-                     "evaluate-run/on-demand"):
-            assert _deployment(name) is not None, name
-        sync = _deployment("train/sync")
-        # the parameter is the pydantic RunConfig: the UI renders (and validates) a form from this schema
-        schema = sync.parameter_openapi_schema
-        assert schema["properties"]["cfg"]["$ref"].endswith("/RunConfig") and "RunConfig" in schema["definitions"]
-        assert sync.parameters["cfg"]["model"]["path"] == str(tiny_model_dir)  # serve's config: the defaults
-        scheduled = _deployment("evaluate-run/scheduled")
-        assert scheduled.schedules and scheduled.parameters == {"run_dir": str(runs)}
+    scheduled = _deployment("evaluate-run/scheduled")
 
-        run = start_run(_tiny_run(tmp_path, tiny_model_dir), deployment="train/sync")
-        summary = run.wait(timeout=240)
-        assert summary["final_version"] == 6 and run.status() == "COMPLETED"
+    # every 5 s the schedule evaluates the newest flow-test run: soon one evaluates the newest run's
+    # last version (earlier ones may have caught a run mid-training, or the one before it)
+    def evaluated_a_last_version():
+        newest = sorted(p for p in (runs_root / "flow-test").iterdir() if (p / "config.json").exists())[-1]
+        if not (newest / "eval_history.parquet").exists():
+            return False
+        return any(row["version"] == 6 for row in read_history(str(newest)))
 
-        # the schedule evaluates the newest run of the name every 5 s: soon one evaluates the
-        # deployment run's last version (earlier ones may have caught it mid-training)
-        def evaluated_last_version():
-            history = read_history(run.run_dir) if (Path(run.run_dir) / "eval_history.parquet").exists() else []
-            return any(row["version"] == 6 for row in history)
+    try:
+        wait_for(evaluated_a_last_version, 150, "a scheduled evaluation of a finished run")
+    except AssertionError:
+        print("scheduled runs:", [f"{r.state_type.value}:{r.state.message}" for r in _flow_runs(scheduled.id)])
+        raise
+    completed = _flow_runs(scheduled.id, "COMPLETED")
+    assert completed and "table" in _artifacts(completed[0].id)  # the history, as a table artifact
 
+
+def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(serving, tiny_model_dir, runs_root):
+    from deployments.api import start_run
+    from miles_core.storage import SampleStream
+
+    cfg = _cfg(runs_root, tiny_model_dir, name="cancel-test", mode="fully_async",
+               rollout={"num_rollout": 10_000, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
+                        "rollout_max_response_len": 4},
+               train={"micro_batch_size": 16},
+               eval={"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True},
+               async_rollout={"segment_max_groups": 2})
+    run = start_run(cfg, deployment="train/fully-async")
+
+    def training_steps() -> int:
+        assert run.status() not in ("COMPLETED", "FAILED", "CRASHED"), "the run ended before it was cancelled"
+        return len(run.metrics())
+
+    wait_for(lambda: training_steps() >= 3, 180, "three training steps")
+    t0 = time.monotonic()
+    state = run.cancel(timeout=60)
+    seconds = time.monotonic() - t0
+    assert state.is_cancelled(), state
+    assert seconds < 20, f"cancellation took {seconds:.1f} s"
+
+    run_dir = Path(run.run_dir)
+    producer = json.loads((run_dir / "state" / "producer.json").read_text())
+    assert producer["status"] == "stopped", producer
+    segments = SampleStream(str(run_dir)).read()  # every visible segment decodes: nothing partial
+    assert segments and sum(len(s) for s in segments) == producer["stats"]["groups_written"] * 4
+    leftovers = [p.name for p in (run_dir / "samples" / "rollout").iterdir() if not p.name.endswith(".arrow")]
+    assert leftovers == [], leftovers
+
+
+def _chromium() -> str | None:
+    for path in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None and not os.environ.get("CI"),  # CI must run it: there it fails instead
+                    reason="needs Debian's chromium package (scripts/test.sh installs it)")
+def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(serving, api_run, postgres_backend):
+    from playwright.sync_api import expect, sync_playwright
+
+    ui = postgres_backend.removesuffix("/api")
+    deployment = _deployment("train/sync")
+    image = _artifacts(api_run.id)["image"][0]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        # no background networking: this machine's network is closed, and Chromium would keep trying
+        browser = p.chromium.launch(executable_path=_chromium(), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
         try:
-            wait_for(evaluated_last_version, 150, "a scheduled evaluation of the finished run")
-        except AssertionError:
-            print("scheduled runs:", _run_states(scheduled.id))
-            raise
-        assert _completed_runs(scheduled.id) >= 1
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
 
-    assert first["final_version"] == 6
+            page.goto(f"{ui}/deployments")
+            expect(page.get_by_text("6 Deployments")).to_be_visible()
+            page.screenshot(path=SCREENSHOTS / "ui-deployments.png")
+            page.get_by_role("link", name="sync", exact=True).click()  # the training deployment's page
+            expect(page).to_have_url(re.compile(f"/deployments/deployment/{deployment.id}"))
+            expect(page.get_by_text("flow-test").first).to_be_visible()  # its runs, the API's among them
+            page.screenshot(path=SCREENSHOTS / "ui-deployment-train-sync.png")
+
+            page.goto(f"{ui}/runs/flow-run/{api_run.id}")
+            expect(page.get_by_text("Completed").first).to_be_visible()
+            page.get_by_text("Artifacts", exact=True).click()
+            for description in ("per-step metrics", "steps done out of 3", "summary", "reward and held-out accuracy"):
+                expect(page.get_by_text(description).first).to_be_visible()
+            page.screenshot(path=SCREENSHOTS / "ui-flow-run-artifacts.png", full_page=True)
+
+            page.get_by_text("reward and held-out accuracy").first.click()  # the curves artifact's own page
+            expect(page).to_have_url(re.compile(f"/artifacts/artifact/{image.id}"))
+            curves = page.locator("img[src^='data:image/png']").first
+            expect(curves).to_be_visible()
+            assert curves.evaluate("img => img.complete && img.naturalWidth") > 300, "the curves image did not draw"
+            page.screenshot(path=SCREENSHOTS / "ui-curves-artifact.png", full_page=True)
+        finally:
+            browser.close()
+    print(f"screenshots: {SCREENSHOTS}")

@@ -1,0 +1,62 @@
+"""Pictures of a run, for people: the training reward and the held-out accuracy as curves (PNG).
+
+- ``curves_png(reward, accuracy, title)``: two panels, each a line per named series of
+  ``(step, value)`` points.
+- ``run_curves(metrics_rows, eval_rows, title)``: a run's, from its ``metrics.jsonl`` rows (the mean
+  reward of each step's rollout) and ``eval.jsonl`` rows (the held-out accuracy; with named eval
+  datasets, a line per dataset).
+- ``data_url(png)``: the image as a ``data:`` URL, which a Prefect image artifact shows in the UI
+  without any file server (the run folder may be on S3 or on another machine).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Series = Mapping[str, Sequence[tuple[float, float]]]
+
+
+def curves_png(reward: Series, accuracy: Series, title: str) -> bytes:
+    from matplotlib.figure import Figure  # a bare Figure draws without pyplot or a display
+
+    fig = Figure(figsize=(9, 3.2), dpi=90, layout="constrained")
+    fig.suptitle(title, fontsize=11)
+    for ax, series, label in zip(fig.subplots(1, 2), (reward, accuracy), ("training reward (mean)", "held-out accuracy")):
+        for name, points in series.items():
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=name)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+        if not any(series.values()):
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def accuracy_series(eval_rows: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Held-out accuracy per step: one series per named eval dataset (``<name>/accuracy`` keys), or
+    the run's ``accuracy`` when it has none."""
+    names = sorted({k.rsplit("/", 1)[0] for r in eval_rows for k in r if k.endswith("/accuracy")})
+    keys = {name: f"{name}/accuracy" for name in names} or {"accuracy": "accuracy"}
+    return {name: [(r["step"], r[key]) for r in eval_rows if r.get(key) is not None] for name, key in keys.items()}
+
+
+def reward_points(metrics_rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
+    """The mean reward of each step's training batch."""
+    return [(r["step"], r["reward_mean"]) for r in metrics_rows if r.get("reward_mean") is not None]
+
+
+def run_curves(metrics_rows: Sequence[Mapping[str, Any]], eval_rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
+    return curves_png({"reward": reward_points(metrics_rows)}, accuracy_series(eval_rows), title)
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
