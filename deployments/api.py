@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
     from prefect.flows import Flow
 
-__all__ = ["RunFailed", "RunHandle", "get_run", "start_run"]
+__all__ = ["RunFailed", "RunHandle", "evaluate", "get_run", "start_run"]
 
 _POLL_S = 1.0
 _TRAIN_FLOWS = ("train", "train-multi-lora")
@@ -111,6 +111,34 @@ def get_run(flow_run_id: UUID | str) -> RunHandle:
         raise ValueError(f"flow run {flow_run_id} ({flow_run.name!r}) has no 'cfg' parameter: not a miles run")
     cfg = RunConfig.model_validate_file_dict(raw, source=f"flow run {flow_run_id}'s cfg parameter")
     return RunHandle(flow_run.id, cfg, in_process=flow_run.deployment_id is None)
+
+
+def evaluate(run: RunHandle | UUID | str, version: int | None = None, datasets: list[Any] | None = None,
+             storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Evaluate a run's newest (or ``version``) weights now, with the ``evaluate-run`` flow in this
+    process, on its own eval datasets or on ``datasets``. ``run``: a handle, a flow run id (as the
+    UI shows it), or a run folder (or a folder of runs of one name: its newest run), with
+    ``storage_options`` for its filesystem. The rows are also appended to the run's
+    ``eval_history.parquet``."""
+    if isinstance(run, RunHandle):
+        return run.evaluate(version, datasets)
+    try:
+        flow_run_id = UUID(str(run))
+    except ValueError:
+        return _evaluate_folder(str(run), version, datasets, storage_options or {}, str(run))
+    return get_run(flow_run_id).evaluate(version, datasets)
+
+
+def _evaluate_folder(run_dir: str, version: int | None, datasets: list[Any] | None, storage_options: dict[str, Any],
+                     label: str) -> list[dict[str, Any]]:
+    from flows.evaluate import evaluate_run
+
+    state = evaluate_run(run_dir, version, storage_options, datasets, return_state=True)
+    if not state.is_completed():
+        error = state.result(raise_on_failure=False)  # a state of this process: it holds the exception
+        raise RunFailed(f"evaluating {label} failed: {state.message}", state) from (
+            error if isinstance(error, BaseException) else None)
+    return state.result()
 
 
 def _as_config(cfg: Any) -> RunConfig:
@@ -372,15 +400,10 @@ class RunHandle:
         this process (for a multi-LoRA run: every adapter's newest version), on the run's own eval
         datasets or on ``datasets`` (``EvalDatasetConfig`` or dicts); the rows are also appended to
         the run's ``eval_history.parquet``. Works while the run goes on."""
-        from flows.evaluate import evaluate_run
-
         if self.run_id is None:
             raise ValueError(f"run {self._label()} was started without cfg.run_id: its run folder is not known here")
-        state = evaluate_run(self._layout().run_dir, version, self._storage().storage_options, datasets,
-                             return_state=True)
-        if not state.is_completed():
-            raise RunFailed(f"evaluating run {self._label()} failed: {state.message}", state) from self._cause(state)
-        return state.result()
+        return _evaluate_folder(self._layout().run_dir, version, datasets, self._storage().storage_options,
+                                f"run {self._label()}")
 
     def _storage(self):
         from flows.credentials import with_block_credentials

@@ -10,13 +10,14 @@ trains."""
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_image_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.credentials import with_block_credentials
 from miles_core.config import EvalDatasetConfig
 from miles_core.eval.standalone import append_history, open_run, read_history, resolve_run_dir
 from miles_core.eval.standalone import evaluate_run as _evaluate_run
+from miles_core.report import data_url, panels_png
 
 _TABLE_KEYS = ("evaluated_at", "adapter", "version", "step", "accuracy", "reward_mean", "response_len_mean",
                "truncated_ratio")
@@ -51,4 +52,17 @@ def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: O
     per_dataset = sorted({k for r in history for k in r if k.endswith("/accuracy")})
     table = [{k: r.get(k) for k in (*_TABLE_KEYS, *per_dataset)} for r in history]
     create_table_artifact(table, key=None, description=f"held-out evaluations of {run_dir} (oldest first)")
+    create_image_artifact(data_url(_trend_png(history, run_dir)), key=None,
+                          description=f"held-out accuracy of {run_dir} per evaluated version")
     return rows
+
+
+def _trend_png(history: list[dict[str, Any]], run_dir: str) -> bytes:
+    """Accuracy per evaluated version: a line per adapter (and per named dataset)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for row in history:
+        keys = [k for k in row if k.endswith("/accuracy") and row[k] is not None] or ["accuracy"]
+        for key in keys:
+            name = " ".join(filter(None, (row.get("adapter"), key.removesuffix("accuracy").rstrip("/")))) or "accuracy"
+            series.setdefault(name, []).append((row["version"], row[key]))
+    return panels_png([("held-out accuracy", {k: sorted(v) for k, v in series.items()})], run_dir, "weight version")

@@ -1,7 +1,7 @@
 """Pictures of a run, for people: the training reward and the held-out accuracy as curves (PNG).
 
 - ``curves_png(reward, accuracy, title)``: two panels, each a line per named series of
-  ``(step, value)`` points.
+  ``(step, value)`` points (``panels_png``: any panels).
 - ``run_curves(metrics_rows, eval_rows, title)``: a run's, from its ``metrics.jsonl`` rows (the mean
   reward of each step's rollout) and ``eval.jsonl`` rows (the held-out accuracy; with named eval
   datasets, a line per dataset).
@@ -20,17 +20,23 @@ Series = Mapping[str, Sequence[tuple[float, float]]]
 
 
 def curves_png(reward: Series, accuracy: Series, title: str) -> bytes:
+    return panels_png([("training reward (mean)", reward), ("held-out accuracy", accuracy)], title, "step")
+
+
+def panels_png(panels: Sequence[tuple[str, Series]], title: str, xlabel: str) -> bytes:
+    """Side-by-side panels, each a line per named series of ``(x, y)`` points."""
     from matplotlib.figure import Figure  # a bare Figure draws without pyplot or a display
 
-    fig = Figure(figsize=(9, 3.2), dpi=90, layout="constrained")
+    fig = Figure(figsize=(4.5 * len(panels), 3.2), dpi=90, layout="constrained")
     fig.suptitle(title, fontsize=11)
-    for ax, series, label in zip(fig.subplots(1, 2), (reward, accuracy), ("training reward (mean)", "held-out accuracy")):
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (label, series) in zip(axes, panels):
         for name, points in series.items():
             if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=name)
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=name)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend(fontsize=8)

@@ -56,6 +56,15 @@ def test_in_process_run_is_followed_through_the_api(prefect_backend, tiny_model_
     assert run.evaluate(version=2)[0]["step"] == 1
     [named] = run.evaluate(datasets=[{"name": "more-toy", "data": {"type": "toy", "seed": 7}, "num_prompts": 6}])
     assert named["more-toy/num_prompts"] == 6 and named["version"] == 6
+    # the top-level module: evaluate a run by its handle, its flow run id or its folder
+    import miles
+
+    by_id, by_folder = miles.evaluate(str(run.id), version=4), miles.evaluate(run.run_dir, version=4)
+    assert by_id[0]["version"] == by_folder[0]["version"] == 4
+    assert by_id[0]["accuracy"] == by_folder[0]["accuracy"] == run.evals()[1]["accuracy"]  # step 2 made v4
+    with pytest.raises(miles.RunFailed, match="version 9 is not published") as info:
+        miles.evaluate(run, version=9)
+    assert isinstance(info.value.__cause__, ValueError)
 
     assert api.get_run(run.id) is run  # this process's own handle
     monkeypatch.setattr(api, "_LOCAL_RUNS", {})  # as another process would see it: from the API only

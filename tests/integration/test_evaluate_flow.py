@@ -95,13 +95,16 @@ def test_evaluate_a_run_on_named_datasets_of_its_own(prefect_backend, tiny_model
     history = read_history(run_dir)
     assert [r["qa/accuracy"] is not None for r in history] == [True, False]
 
-    async def table():
+    async def artifacts():
         async with get_client() as client:
-            [artifact] = await client.read_artifacts(artifact_filter=ArtifactFilter(
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(
                 flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
-            return artifact.data
+            return {a.type: a.data for a in found}
 
-    data = asyncio.run(table())
+    by_type = asyncio.run(artifacts())
+    assert sorted(by_type) == ["image", "table"]  # the history, and its trend as an image
+    assert by_type["image"].startswith("data:image/png;base64,")
+    data = by_type["table"]
     rows = json.loads(data) if isinstance(data, str) else data
     assert rows[0]["qa/accuracy"] == row["qa/accuracy"] and rows[0]["toy/accuracy"] == row["toy/accuracy"]
 
