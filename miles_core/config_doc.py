@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 
 from pydantic import BaseModel
 
@@ -13,6 +14,14 @@ from miles_core.config import RunConfig
 def _type_name(tp) -> str:
     text = repr(tp) if not isinstance(tp, type) else tp.__name__
     return text.replace("typing.", "").replace("miles_core.config.", "")
+
+
+def _list_item_model(tp) -> type[BaseModel] | None:
+    """``X`` of a ``list[X]`` field whose items are config sections."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
 
 
 def _flags_by_path() -> dict[str, list[str]]:
@@ -39,6 +48,9 @@ def _section(model: type[BaseModel], prefix: str, flags: dict[str, list[str]], l
             default = "(section)"
         else:
             default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
+            item = _list_item_model(info.annotation)
+            if item is not None:  # [[eval.datasets]]-style tables: their fields get a section too
+                nested.append((item, path + "[]."))
         desc = " ".join((info.description or "").split()).replace("|", "\\|")
         flag_path = re.sub(r"\[type=[^]]*\]", "", path)  # flags name union fields without the tag
         lines.append(f"| `{path}` | `{_type_name(info.annotation)}` | {default} | {', '.join(flags.get(flag_path, []))} | {desc} |")
