@@ -257,7 +257,9 @@ def _start_deployment(cfg: RunConfig, deployment: str) -> RunHandle:
                 f"`prefect deployment ls`, or serve one, e.g. `train.serve(name=...)` from flows.train "
                 f"(runs on a worker need `prefect deploy`)"
             ) from None
-    flow_run = run_deployment(deployment, parameters={"cfg": cfg.model_dump(mode="json")}, timeout=0)
+    # _sync: the blocking call even where an event loop is running (a notebook), where Prefect
+    # would otherwise hand back a coroutine
+    flow_run = run_deployment(deployment, parameters={"cfg": cfg.model_dump(mode="json")}, timeout=0, _sync=True)
     return RunHandle(flow_run.id, cfg, in_process=False)
 
 

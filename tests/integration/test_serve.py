@@ -5,10 +5,11 @@ tests, its scheduler polling every 2 s), as people use it:
 - a run started through the Python API and one started with ``prefect deployment run`` (the CLI)
   complete on the served deployment, each with its artifacts (metrics table, summary, curves image);
 - the scheduled evaluation fires on its own and lands in the run's evaluation history;
-- a fully-async run cancelled through the API (as the UI's Cancel button does) ends CANCELLED within
-  seconds, its producer stopped and no partial segment left in its sample stream;
+- a fully-async run cancelled through the API ends CANCELLED within seconds, its producer stopped
+  and no partial segment left in its sample stream;
 - headless Chromium opens the served UI and finds the training deployment and the completed run with
-  its artifacts, its curves image drawn (screenshots kept as test artifacts).
+  its artifacts, its curves image drawn; and cancels a running fully-async run with the UI's Cancel
+  button, which ends CANCELLED with nothing partial left (screenshots kept as test artifacts).
 
 One server (``postgres_backend``) and one ``miles serve`` process serve the whole module (each takes seconds to
 start).
@@ -17,6 +18,8 @@ start).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import json
 import os
 import re
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,7 +83,10 @@ def _client_call(fn):
         async with get_client() as client:
             return await fn(client)
 
-    return asyncio.run(call())
+    # on a thread of its own (with this one's context: the Prefect settings): Playwright's sync API
+    # keeps an event loop running on this thread while the browser is open
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(contextvars.copy_context().run, asyncio.run, call()).result()
 
 
 def _deployment(name: str):
@@ -191,11 +198,11 @@ def test_the_scheduled_evaluation_fires(serving, api_run, runs_root):
     assert completed and "table" in _artifacts(completed[0].id)  # the history, as a table artifact
 
 
-def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(serving, tiny_model_dir, runs_root):
+def _training_fully_async_run(runs_root: Path, model_dir, name: str):
+    """An endless fully-async run on ``train/fully-async``, once it has trained three steps."""
     from deployments.api import start_run
-    from miles_core.storage import SampleStream
 
-    cfg = _cfg(runs_root, tiny_model_dir, name="cancel-test", mode="fully_async",
+    cfg = _cfg(runs_root, model_dir, name=name, mode="fully_async",
                rollout={"num_rollout": 10_000, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
                         "rollout_max_response_len": 4},
                train={"micro_batch_size": 16},
@@ -208,11 +215,12 @@ def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(
         return len(run.metrics())
 
     wait_for(lambda: training_steps() >= 3, 180, "three training steps")
-    t0 = time.monotonic()
-    state = run.cancel(timeout=60)
-    seconds = time.monotonic() - t0
-    assert state.is_cancelled(), state
-    assert seconds < 20, f"cancellation took {seconds:.1f} s"
+    return run
+
+
+def _assert_stopped_whole(run) -> None:
+    """The producer stopped cleanly and the sample stream holds only whole segments."""
+    from miles_core.storage import SampleStream
 
     run_dir = Path(run.run_dir)
     producer = json.loads((run_dir / "state" / "producer.json").read_text())
@@ -223,6 +231,16 @@ def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(
     assert leftovers == [], leftovers
 
 
+def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(serving, tiny_model_dir, runs_root):
+    run = _training_fully_async_run(runs_root, tiny_model_dir, "cancel-test")
+    t0 = time.monotonic()
+    state = run.cancel(timeout=60)
+    seconds = time.monotonic() - t0
+    assert state.is_cancelled(), state
+    assert seconds < 20, f"cancellation took {seconds:.1f} s"
+    _assert_stopped_whole(run)
+
+
 def _chromium() -> str | None:
     for path in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
         if os.access(path, os.X_OK):
@@ -230,14 +248,15 @@ def _chromium() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_chromium() is None and not os.environ.get("CI"),  # CI must run it: there it fails instead
-                    reason="needs Debian's chromium package (scripts/test.sh installs it)")
-def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(serving, api_run, postgres_backend):
-    from playwright.sync_api import expect, sync_playwright
+needs_chromium = pytest.mark.skipif(_chromium() is None and not os.environ.get("CI"),  # CI runs them: fails there
+                                    reason="needs Debian's chromium package (scripts/test.sh installs it)")
 
-    ui = postgres_backend.removesuffix("/api")
-    deployment = _deployment("train/sync")
-    image = _artifacts(api_run.id)["image"][0]
+
+@pytest.fixture(scope="module")
+def page(postgres_backend):
+    """A headless Chromium page (Playwright), one for the module; its ``ui`` is the served UI's URL."""
+    from playwright.sync_api import sync_playwright
+
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         # no background networking: this machine's network is closed, and Chromium would keep trying
@@ -247,28 +266,66 @@ def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(se
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
-
-            page.goto(f"{ui}/deployments")
-            expect(page.get_by_text("6 Deployments")).to_be_visible()
-            page.screenshot(path=SCREENSHOTS / "ui-deployments.png")
-            page.get_by_role("link", name="sync", exact=True).click()  # the training deployment's page
-            expect(page).to_have_url(re.compile(f"/deployments/deployment/{deployment.id}"))
-            expect(page.get_by_text("flow-test").first).to_be_visible()  # its runs, the API's among them
-            page.screenshot(path=SCREENSHOTS / "ui-deployment-train-sync.png")
-
-            page.goto(f"{ui}/runs/flow-run/{api_run.id}")
-            expect(page.get_by_text("Completed").first).to_be_visible()
-            page.get_by_text("Artifacts", exact=True).click()
-            for description in ("per-step metrics", "steps done out of 3", "summary", "reward and held-out accuracy"):
-                expect(page.get_by_text(description).first).to_be_visible()
-            page.screenshot(path=SCREENSHOTS / "ui-flow-run-artifacts.png", full_page=True)
-
-            page.get_by_text("reward and held-out accuracy").first.click()  # the curves artifact's own page
-            expect(page).to_have_url(re.compile(f"/artifacts/artifact/{image.id}"))
-            curves = page.locator("img[src^='data:image/png']").first
-            expect(curves).to_be_visible()
-            assert curves.evaluate("img => img.complete && img.naturalWidth") > 300, "the curves image did not draw"
-            page.screenshot(path=SCREENSHOTS / "ui-curves-artifact.png", full_page=True)
+            page.ui = postgres_backend.removesuffix("/api")
+            yield page
         finally:
             browser.close()
     print(f"screenshots: {SCREENSHOTS}")
+
+
+@contextlib.contextmanager
+def _screenshot_on_failure(page, name: str):
+    try:
+        yield
+    except BaseException:
+        page.screenshot(path=SCREENSHOTS / f"{name}-failed.png", full_page=True)
+        raise
+
+
+@needs_chromium
+def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(serving, api_run, page):
+    from playwright.sync_api import expect
+
+    deployment = _deployment("train/sync")
+    image = _artifacts(api_run.id)["image"][0]
+    with _screenshot_on_failure(page, "ui-artifacts"):
+        page.goto(f"{page.ui}/deployments")
+        expect(page.get_by_text("6 Deployments")).to_be_visible()
+        page.screenshot(path=SCREENSHOTS / "ui-deployments.png")
+        page.get_by_role("link", name="sync", exact=True).click()  # the training deployment's page
+        expect(page).to_have_url(re.compile(f"/deployments/deployment/{deployment.id}"))
+        expect(page.get_by_text("flow-test").first).to_be_visible()  # its runs, the API's among them
+        page.screenshot(path=SCREENSHOTS / "ui-deployment-train-sync.png")
+
+        page.goto(f"{page.ui}/runs/flow-run/{api_run.id}")
+        expect(page.get_by_text("Completed").first).to_be_visible()
+        page.get_by_text("Artifacts", exact=True).click()
+        for description in ("per-step metrics", "steps done out of 3", "summary", "reward and held-out accuracy"):
+            expect(page.get_by_text(description).first).to_be_visible()
+        page.screenshot(path=SCREENSHOTS / "ui-flow-run-artifacts.png", full_page=True)
+
+        page.get_by_text("reward and held-out accuracy").first.click()  # the curves artifact's own page
+        expect(page).to_have_url(re.compile(f"/artifacts/artifact/{image.id}"))
+        curves = page.locator("img[src^='data:image/png']").first
+        expect(curves).to_be_visible()
+        assert curves.evaluate("img => img.complete && img.naturalWidth") > 300, "the curves image did not draw"
+        page.screenshot(path=SCREENSHOTS / "ui-curves-artifact.png", full_page=True)
+
+
+@needs_chromium
+def test_cancelling_from_the_ui_ends_the_run_cancelled_leaving_nothing_partial(serving, tiny_model_dir, runs_root,
+                                                                               page):
+    from playwright.sync_api import expect
+
+    # (start_run here runs where Playwright keeps an event loop going, as in a notebook)
+    run = _training_fully_async_run(runs_root, tiny_model_dir, "ui-cancel-test")
+    with _screenshot_on_failure(page, "ui-cancel"):
+        page.goto(f"{page.ui}/runs/flow-run/{run.id}")
+        expect(page.get_by_text("Running").first).to_be_visible()
+        page.get_by_role("button", name="Cancel", exact=True).click()
+        page.screenshot(path=SCREENSHOTS / "ui-cancel-confirm.png")
+        page.get_by_role("dialog").get_by_role("button", name="Confirm").click()  # "Cancel Flow Run"
+        wait_for(lambda: run.status() == "CANCELLED", 60, "the run to end CANCELLED")
+        expect(page.get_by_text("Cancelled").first).to_be_visible()
+        page.screenshot(path=SCREENSHOTS / "ui-cancelled.png")
+    _assert_stopped_whole(run)
