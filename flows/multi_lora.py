@@ -191,6 +191,9 @@ def _publish_curves(cfg: RunConfig, run, summary: dict[str, Any]) -> None:
         create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: adapter {name}, reward and held-out "
                                                                    f"accuracy per step (also {url})")
         reward[name] = reward_points(session.metrics_rows)
+    if len(reward) > 1 and len({tuple(points) for points in reward.values()}) == 1:
+        # shared rollouts: every adapter trained on the same base-generated batches, one line says it
+        reward = {"every adapter (shared rollouts)": next(iter(reward.values()))}
     before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
     accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
     png = curves_png(reward, accuracy, f"{cfg.name}: every adapter")
