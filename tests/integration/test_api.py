@@ -10,25 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train_flow import _tiny_run
 
 pytestmark = pytest.mark.integration
 
 
 def _cfg(tmp_path: Path, model_dir: Path, **overrides):
-    from miles_core.config import RunConfig
-
-    raw = {
-        "name": "api-test",
-        "model": {"path": str(model_dir)},
-        "data": {"type": "toy", "num_prompts": 64},
-        "rollout": {"num_rollout": 3, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
-                    "rollout_max_response_len": 4},
-        "train": {"global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3},
-        "eval": {"eval_interval": 2, "num_prompts": 4},
-        "storage": {"root": str(tmp_path / "runs")},
-    }
-    raw.update(overrides)
-    return RunConfig.model_validate(raw)
+    return _tiny_run(tmp_path, model_dir, **{"name": "api-test", "eval": {"eval_interval": 2, "num_prompts": 4},
+                                             **overrides})
 
 
 def test_in_process_run_is_followed_through_the_api(prefect_backend, tiny_model_dir, tmp_path, monkeypatch):
