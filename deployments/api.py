@@ -21,8 +21,8 @@ run.metrics()                                # rows of metrics.jsonl so far, one
   A fresh ``cfg.run_id`` is assigned before the run starts (unless the config names one, e.g. to
   resume), so the run folder ``<storage.root>/<name>/<run_id>`` is known in advance.
 - ``get_run(flow_run_id) -> RunHandle``: a handle of an existing run, rebuilt from the flow run's
-  ``cfg`` parameter (so runs started from the CLI, the UI or another process work too, as long as
-  they were given a ``run_id``).
+  ``cfg`` parameter (so runs started from the CLI, the UI or another process work too; one started
+  without a ``run_id`` is found by the ``miles.run_id`` label its flow puts on its flow run).
 - ``RunHandle``: ``id`` (the flow run id), ``run_id``, ``run_dir``, ``state()``/``status()``,
   ``wait()``, ``metrics()``, ``evals()``, ``evaluate(version=None, datasets=None)`` (the standalone evaluation
   flow, in this process), ``cancel()``.
@@ -265,6 +265,8 @@ def _start_deployment(cfg: RunConfig, deployment: str) -> RunHandle:
 
 # ------------------------------------------------------------------------------------------- handle
 
+_NO_RUN_ID = ("run {label} has no run id yet, so its run folder is not known here: it was started without "
+              "cfg.run_id and has not started (its flow labels the flow run with miles.run_id when it does)")
 _EXIT_HOOK = False
 _LOCAL_RUNS: dict[UUID, RunHandle] = {}
 """Runs this process started in process, by flow run id (``get_run`` returns their own handle)."""
@@ -289,8 +291,18 @@ class RunHandle:
 
     @property
     def run_id(self) -> str | None:
-        """The run id (the run folder's name); None for a run started without one (e.g. from
-        the UI with no ``run_id``), whose folder the config alone does not name."""
+        """The run id (the run folder's name). A deployment run started without one (from the UI's
+        form, say) gets it when it starts, labelled on its flow run, where this reads it; None
+        until then."""
+        if self.cfg.run_id is None:
+            from prefect.client.orchestration import get_client
+
+            from flows.labels import RUN_ID_LABEL
+
+            with get_client(sync_client=True) as client:
+                run_id = client.read_flow_run(self.id).labels.get(RUN_ID_LABEL)
+            if run_id:
+                self.cfg = self.cfg.model_copy(update={"run_id": run_id})
         return self.cfg.run_id
 
     @property
@@ -383,8 +395,7 @@ class RunHandle:
 
     def _rows(self, file: str, adapter: str | None) -> list[dict[str, Any]]:
         if self.run_id is None:
-            raise ValueError(f"run {self._label()} was started without cfg.run_id, so its run folder is not known "
-                             "here; start runs with start_run (which assigns one) or give run_id in the config")
+            raise ValueError(_NO_RUN_ID.format(label=self._label()))
         layout = self._layout()
         if self.cfg.multi_lora is None:
             if adapter is not None:
@@ -403,7 +414,7 @@ class RunHandle:
         datasets or on ``datasets`` (``EvalDatasetConfig`` or dicts); the rows are also appended to
         the run's ``eval_history.parquet``. Works while the run goes on."""
         if self.run_id is None:
-            raise ValueError(f"run {self._label()} was started without cfg.run_id: its run folder is not known here")
+            raise ValueError(_NO_RUN_ID.format(label=self._label()))
         return _evaluate_folder(self._layout().run_dir, version, datasets, self._storage().storage_options,
                                 f"run {self._label()}")
 

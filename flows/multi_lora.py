@@ -26,6 +26,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
 from flows.credentials import with_block_credentials
+from flows.labels import label_run_id
 from miles_core.config import RunConfig
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.report import curves_png, data_url, reward_points, run_curves
@@ -81,6 +82,7 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
     cfg = with_block_credentials(cfg)
     check_device_pool(cfg)
     refs = prepare_run(cfg)
+    label_run_id(refs.run_id)
     run = get_multi_lora_run(cfg, refs)
     log.info("multi-LoRA run %s: %s; adapters %s, rollout source %s", refs.run_id, refs.run_dir,
              ", ".join(run.names), cfg.multi_lora.rollout_source)

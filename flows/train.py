@@ -43,6 +43,7 @@ from prefect.artifacts import (
 )
 
 from flows.credentials import with_block_credentials
+from flows.labels import label_run_id
 from miles_core.config import RunConfig
 from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
@@ -97,6 +98,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     cfg = with_block_credentials(cfg)
     check_device_pool(cfg)
     refs = prepare_run(cfg)
+    label_run_id(refs.run_id)
     session = get_session(cfg, refs)
     log.info("run %s: %s", refs.run_id, refs.run_dir)
     total = cfg.rollout.num_rollout

@@ -8,8 +8,9 @@ tests, its scheduler polling every 2 s), as people use it:
 - a fully-async run cancelled through the API ends CANCELLED within seconds, its producer stopped
   and no partial segment left in its sample stream;
 - headless Chromium opens the served UI and finds the training deployment and the completed run with
-  its artifacts, its curves image drawn; and cancels a running fully-async run with the UI's Cancel
-  button, which ends CANCELLED with nothing partial left (screenshots kept as test artifacts).
+  its artifacts, its curves image drawn; cancels a running fully-async run with the UI's Cancel
+  button, which ends CANCELLED with nothing partial left; and starts a run from the deployment's
+  RunConfig form (Run > Custom run > Submit), which completes (screenshots kept as test artifacts).
 
 One server (``postgres_backend``) and one ``miles serve`` process serve the whole module (each takes seconds to
 start).
@@ -56,7 +57,11 @@ def first_run(postgres_backend, tiny_model_dir, runs_root) -> dict:
 def serving(postgres_backend, first_run, tiny_model_dir, runs_root):
     """``miles serve`` with the scheduled evaluation of the newest ``flow-test`` run every 5 s."""
     argv = ["-m", "deployments.cli", "serve", "--hf-checkpoint", str(tiny_model_dir), "--storage-root", str(runs_root),
-            "--eval-runs", str(runs_root / "flow-test"), "--eval-every-s", "5"]
+            "--eval-runs", str(runs_root / "flow-test"), "--eval-every-s", "5",
+            # the form's defaults (a run started from the UI as it stands): a tiny run named ui-form
+            "--name", "ui-form", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+            "--rollout-max-response-len", "4", "--global-batch-size", "8", "--micro-batch-size", "4",
+            "--eval-num-prompts", "4"]
     with served(argv, postgres_backend, tail=60) as server:
         wait_for(lambda: server.poll() is None and _deployment("evaluate-run/scheduled"), 90, "the served deployments")
         yield server
@@ -329,3 +334,29 @@ def test_cancelling_from_the_ui_ends_the_run_cancelled_leaving_nothing_partial(s
         expect(page.get_by_text("Cancelled").first).to_be_visible()
         page.screenshot(path=SCREENSHOTS / "ui-cancelled.png")
     _assert_stopped_whole(run)
+
+
+@needs_chromium
+def test_a_run_started_from_the_ui_form_completes(serving, page, runs_root):
+    """The UI's Run > Custom run on ``train/sync``: the RunConfig form renders with ``miles serve``'s
+    config as its defaults, and submitting it starts a run that completes."""
+    from playwright.sync_api import expect
+
+    deployment = _deployment("train/sync")
+    with _screenshot_on_failure(page, "ui-form"):
+        page.goto(f"{page.ui}/deployments/deployment/{deployment.id}")
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_text("Custom run").click()
+        expect(page).to_have_url(re.compile(f"/deployments/deployment/{deployment.id}/run"))
+        expect(page.get_by_text("A whole training run.")).to_be_visible()  # RunConfig's form
+        page.screenshot(path=SCREENSHOTS / "ui-form.png", full_page=True)
+        page.get_by_role("button", name="Submit").click()
+    runs = wait_for(lambda: _flow_runs(deployment.id) and [r for r in _flow_runs(deployment.id) if r.name == "ui-form"],
+                    60, "the run the form started")
+    from deployments.api import get_run
+
+    run = get_run(runs[0].id)  # its run id was given by the flow (the form had none): read from its label
+    summary = run.wait(timeout=240)
+    assert summary["steps"] == 2 and run.status() == "COMPLETED"
+    assert summary["run_dir"] == run.run_dir == str(runs_root / "ui-form" / run.run_id)
+    assert [r["step"] for r in run.metrics()] == [1, 2]
