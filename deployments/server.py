@@ -323,8 +323,11 @@ class LocalServer:
         api_url = f"http://{HOST}:{port}/api"
         deadline = time.monotonic() + timeout
         while not _healthy(api_url, timeout=2.0):
-            if not _alive(pid, "prefect"):
-                raise ServerError(f"the Prefect server exited; {self.server_log} ends with:\n{_tail(self.server_log)}")
+            how = _exit_status(pid)
+            if how is None and not _alive(pid, "prefect"):
+                how = f"is gone (pid {pid}: {_cmdline(pid) or 'no such process'})"
+            if how is not None:
+                raise ServerError(f"the Prefect server {how}; {self.server_log} ends with:\n{_tail(self.server_log)}")
             if time.monotonic() > deadline:
                 raise ServerError(f"the Prefect server did not answer {api_url}/health within {timeout:.0f} s; "
                                   f"{self.server_log} ends with:\n{_tail(self.server_log)}")
@@ -388,6 +391,26 @@ def _healthy(api_url: str, timeout: float) -> bool:
         return False
 
 
+def _exit_status(pid: int) -> str | None:
+    """How our child ``pid`` ended ("exited with code 1", "was killed by signal 9"), reaping it;
+    None while it runs (or when it is not our child)."""
+    try:
+        reaped, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if reaped == 0:
+        return None
+    code = os.waitstatus_to_exitcode(status)
+    return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def _alive(pid: int, name: str) -> bool:
     """Whether ``pid`` runs and its command line mentions ``name`` (a recycled pid does not count).
     Reaps it first when it is our own exited child, so a zombie does not count either."""
@@ -395,10 +418,9 @@ def _alive(pid: int, name: str) -> bool:
         os.waitpid(pid, os.WNOHANG)
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and name in cmdline
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and name in _cmdline(pid)
 
 
 def _stop_process_group(pid: int, timeout: float) -> None:

@@ -24,23 +24,36 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from deployments.server import LocalServer, free_port
+from deployments.server import LocalServer, ServerError, free_port
 
 
 @contextlib.contextmanager
 def postgres_prefect_server(tmp_dir: str | Path | None = None, *, keep: bool = False) -> Iterator[str]:
     """Start a Prefect server on Postgres in a new home under ``tmp_dir``; yield its API URL; stop it
     and (unless ``keep``) delete the home."""
-    home = Path(tempfile.mkdtemp(prefix="miles-prefect-server-", dir=tmp_dir))
-    home.chmod(0o755)  # mkdtemp makes it 0700; the postgres user must get through it
-    server = LocalServer(home, log=lambda _msg: None)
-    try:
-        status = server.start(port=free_port())
-        yield status.api_url
-    finally:
-        server.stop()
-        if not keep:
-            shutil.rmtree(home, ignore_errors=True)
+    for attempt in (1, 2):
+        home = Path(tempfile.mkdtemp(prefix="miles-prefect-server-", dir=tmp_dir))
+        home.chmod(0o755)  # mkdtemp makes it 0700; the postgres user must get through it
+        server = LocalServer(home, log=lambda _msg: None)
+        try:
+            status = server.start(port=free_port())
+        except ServerError as e:
+            # once in CI the Prefect server exited at start with an empty log (not reproduced in 8
+            # starts under load): say so, and start a fresh one once
+            server.stop()
+            if not keep:
+                shutil.rmtree(home, ignore_errors=True)
+            if attempt == 2:
+                raise
+            print(f"the test's Prefect server did not start, starting another: {e}")
+            continue
+        try:
+            yield status.api_url
+        finally:
+            server.stop()
+            if not keep:
+                shutil.rmtree(home, ignore_errors=True)
+        return
 
 
 def _fresh_workers() -> None:
