@@ -297,7 +297,7 @@ class RunHandle:
         if self.cfg.run_id is None:
             from prefect.client.orchestration import get_client
 
-            from flows.labels import RUN_ID_LABEL
+            from flows.begin import RUN_ID_LABEL
 
             with get_client(sync_client=True) as client:
                 run_id = client.read_flow_run(self.id).labels.get(RUN_ID_LABEL)

@@ -61,8 +61,10 @@ def _trend_png(history: list[dict[str, Any]], run_dir: str) -> bytes:
     """Accuracy per evaluated version: a line per adapter (and per named dataset)."""
     series: dict[str, list[tuple[float, float]]] = {}
     for row in history:
+        # parquet gives every row every column: a row's own datasets are the ones it has values for
         keys = [k for k in row if k.endswith("/accuracy") and row[k] is not None] or ["accuracy"]
         for key in keys:
-            name = " ".join(filter(None, (row.get("adapter"), key.removesuffix("accuracy").rstrip("/")))) or "accuracy"
+            parts = [row.get("adapter"), key.removesuffix("/accuracy") if "/" in key else None]
+            name = " ".join(p for p in parts if p) or "accuracy"
             series.setdefault(name, []).append((row["version"], row[key]))
     return panels_png([("held-out accuracy", {k: sorted(v) for k, v in series.items()})], run_dir, "weight version")

@@ -25,8 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
-from flows.credentials import with_block_credentials
-from flows.labels import label_run_id
+from flows.begin import begin_run
 from miles_core.config import RunConfig
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.report import curves_png, data_url, reward_points, run_curves
@@ -39,8 +38,7 @@ from tasks.multi_lora import (
     save_adapter_checkpoint,
     train_adapter,
 )
-from tasks.slots import check_device_pool, run_slots
-from tasks.train import prepare_run
+from tasks.slots import run_slots
 
 
 def _eval_due(cfg: RunConfig, step: int) -> bool:
@@ -79,10 +77,7 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
     if cfg.multi_lora is None:
         raise ValueError("train_multi_lora needs a config with multi_lora (--lora-count N, or [multi_lora] adapters)")
     t_start = time.perf_counter()
-    cfg = with_block_credentials(cfg)
-    check_device_pool(cfg)
-    refs = prepare_run(cfg)
-    label_run_id(refs.run_id)
+    cfg, refs = begin_run(cfg)
     run = get_multi_lora_run(cfg, refs)
     log.info("multi-LoRA run %s: %s; adapters %s, rollout source %s", refs.run_id, refs.run_dir,
              ", ".join(run.names), cfg.multi_lora.rollout_source)

@@ -42,17 +42,15 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from flows.credentials import with_block_credentials
-from flows.labels import label_run_id
+from flows.begin import begin_run
 from miles_core.config import RunConfig
 from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
-from tasks.slots import check_device_pool, run_slots
+from tasks.slots import run_slots
 from tasks.train import (
     check_data,
     evaluate,
     evaluate_version,
-    prepare_run,
     push_weights,
     resume_run,
     rollout,
@@ -95,10 +93,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     An existing run (``cfg.run_id``) with a checkpoint resumes from it."""
     log = get_run_logger()
     t_start = time.perf_counter()
-    cfg = with_block_credentials(cfg)
-    check_device_pool(cfg)
-    refs = prepare_run(cfg)
-    label_run_id(refs.run_id)
+    cfg, refs = begin_run(cfg)
     session = get_session(cfg, refs)
     log.info("run %s: %s", refs.run_id, refs.run_dir)
     total = cfg.rollout.num_rollout
