@@ -67,10 +67,16 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     if eval_runs is not None:
         if (eval_cron is None) == (eval_every_s is None):
             raise ValueError("--eval-runs needs a schedule: --eval-cron CRON or --eval-every-s SECONDS (one of them)")
+        from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
         schedule = {"cron": eval_cron} if eval_cron is not None else {"interval": eval_every_s}
+        # one scheduled evaluation at a time: one that comes due while the last still runs is
+        # cancelled, not started beside it (evaluations slower than their interval would pile up)
+        one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
         out.append(evaluate_run.to_deployment(
             name="scheduled", parameters={"run_dir": eval_runs}, tags=["eval", "scheduled"],
-            description=f"Evaluate the newest version of {eval_runs} on a schedule.", **schedule,
+            description=f"Evaluate the newest version of {eval_runs} on a schedule (never two at once).",
+            concurrency_limit=one_at_a_time, **schedule,
         ))
     elif eval_cron is not None or eval_every_s is not None:
         raise ValueError("--eval-cron / --eval-every-s schedule evaluations of --eval-runs PATH: give it too")

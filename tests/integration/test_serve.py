@@ -201,6 +201,12 @@ def test_the_scheduled_evaluation_fires(serving, api_run, runs_root):
         raise
     completed = _flow_runs(scheduled.id, "COMPLETED")
     assert completed and "table" in _artifacts(completed[0].id)  # the history, as a table artifact
+    # one at a time: a run that came due while another ran was cancelled, never started beside it
+    assert scheduled.global_concurrency_limit.limit == 1
+    assert scheduled.concurrency_options.collision_strategy.value == "CANCEL_NEW"
+    ran = sorted((r.start_time, r.end_time or r.start_time) for r in _flow_runs(scheduled.id) if r.start_time)
+    overlaps = [(a, b) for a, b in zip(ran, ran[1:]) if b[0] < a[1]]
+    assert not overlaps, f"scheduled evaluations ran at the same time: {overlaps}"
 
 
 def _training_fully_async_run(runs_root: Path, model_dir, name: str):
