@@ -3,9 +3,12 @@
 - ``sync``: rollout k, train k, push weights k.
 - ``async``: rollout k+1 is submitted before train k (they overlap); weights are pushed every
   ``update_weights_interval`` steps once no training rollout is in flight.
-- ``fully_async``: a ``rollout-producer`` task generates for the whole run into the sample stream
-  (bounded ahead of the trainer, staleness-filtered on the trainer's side); ``train-k`` tasks
-  consume. Stopping, failing or cancelling the flow stops the producer (whole segments only).
+- ``fully_async``: ``launch-producers`` starts the run's rollout fleet (``rollout_producers``
+  producers, each a child process or a ``rollout`` flow run of ``rollout_deployment``), which
+  generates for the whole run into one stream per producer (bounded ahead of the trainer,
+  staleness-filtered on the trainer's side) and talks to the trainer only through the run folder;
+  ``train-k`` tasks consume. A dead producer is replaced (``producer_restarts``). Stopping, failing
+  or cancelling the flow stops every producer (whole segments only).
 
 Sync mode, per step k: ``rollout-k`` (generate + reward, one segment appended to the run's sample
 stream) -> ``train-k`` (read that segment, optimizer step(s), publish weights version v) ->
@@ -46,6 +49,7 @@ from flows.begin import begin_run
 from miles_core.config import RunConfig
 from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
+from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
 from tasks.train import (
     check_data,
@@ -54,7 +58,6 @@ from tasks.train import (
     push_weights,
     resume_run,
     rollout,
-    rollout_producer,
     save_checkpoint,
     train_from_stream,
     train_step,
@@ -178,9 +181,11 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
 
 
 def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, None]]:
-    """A ``rollout-producer`` task generates for the whole run; each ``train-k`` takes the next
-    ``rollout_batch_size`` trainable groups from the stream. The producer loads new versions itself."""
-    producer = rollout_producer.submit(cfg, refs)
+    """``launch-producers`` starts the run's rollout fleet (child processes, or flow runs of
+    ``async_rollout.rollout_deployment``), which talks to the trainer only through the run folder;
+    each ``train-k`` takes the next ``rollout_batch_size`` trainable groups from the producers'
+    streams. Producers load new versions themselves; ``stop-producers`` ends them."""
+    launch_producers(cfg, refs)
     try:
         for step in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
@@ -188,8 +193,7 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
             row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
             yield step, _with_idle(row), None
     finally:
-        session.stop_producer()
-        producer.wait(timeout=120)
+        stop_producers(cfg, refs)
 
 
 def _with_idle(row: dict[str, Any]) -> dict[str, Any]:
@@ -243,17 +247,18 @@ class InRunEvals:
 
 def _evaluate_now(cfg: RunConfig, refs: RunRefs, session, step: int) -> dict[str, float]:
     """``eval.engine = "shared"``: evaluate the trainer's latest weights on the rollout engine. In
-    fully-async mode the producer is paused while evaluation borrows the engine (and the engine is
-    brought to the latest version first)."""
+    fully-async mode the producers are paused (through the run folder) while evaluation runs, and
+    the engine is brought to the latest version first."""
     if cfg.mode != "fully_async":
         return evaluate(cfg, refs, step)
-    session.pause_producer()
+    holder = f"eval-step-{step}"
+    session.pause_producer(holder)
     try:
         version = session.weights.latest() or 0
-        session.push_weights(session._weights_uri(version), version)
+        session.push_weights(session.weights_uri(version), version)
         return evaluate(cfg, refs, step)
     finally:
-        session.resume_producer()
+        session.resume_producer(holder)
 
 
 def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str, float] | None:
@@ -280,9 +285,10 @@ def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any
         "final_version": session.weights.latest(),
         "metrics": session.layout.metrics,
         "eval": session.layout.eval,
-        "samples": session.layout.samples(),
+        "samples": session.layout.samples() if session.fleet is None else session.layout.url("samples"),
         "weights": session.layout.weights,
         "seconds": round(seconds, 1),
+        **({"producers": session.fleet.summary()} if session.fleet is not None else {}),
     }
 
 

@@ -213,6 +213,29 @@ class AsyncConfig(_Base):
     the same core (measured here: train step 0.73 s -> 0.98 s), hence off by default."""
     weight_poll_s: float = Field(default=0.2, gt=0)
     """fully_async: how often the producer looks for a newer weight version."""
+    rollout_producers: int = Field(default=1, ge=1)
+    """fully_async: rollout producers the run launches, each with its own engine, talking to the
+    trainer only through the run folder (Miles-style ``--rollout-producers``)."""
+    rollout_deployment: str | None = None
+    """fully_async: launch each producer as a flow run of this deployment (e.g. ``rollout/fleet``, on
+    an inference work pool): children of the training run. None: a subprocess of the trainer's
+    process on this machine."""
+    producer_heartbeat_s: float = Field(default=1.0, gt=0)
+    """fully_async: how often each producer rewrites its heartbeat in the run folder."""
+    producer_heartbeat_timeout_s: float = Field(default=10.0, gt=0)
+    """fully_async: a producer whose heartbeat has not changed for this long is dead: its unwritten
+    prompts go back to the pool and a replacement is launched (``--producer-heartbeat-timeout``)."""
+    producer_start_timeout_s: float = Field(default=300.0, gt=0)
+    """fully_async: how long a launched producer may take to write its first heartbeat (a flow run
+    waiting for a worker, an engine loading)."""
+    producer_restarts: int = Field(default=3, ge=0)
+    """fully_async: replacements launched for dead producers over the run; one more death fails the
+    run, naming the producer and its last error (``--producer-restarts``)."""
+    prompt_claim_size: int = Field(default=8, ge=1, lt=65536)
+    """fully_async: prompts a producer claims from the run's prompt log at a time (what a dead
+    producer can leave unwritten, to be generated again by another)."""
+    control_poll_s: float = Field(default=0.25, gt=0)
+    """fully_async: how often a producer looks at the run's stop, pause and fence objects."""
 
 
 # --------------------------------------------------------------------------------------- engine

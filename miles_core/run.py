@@ -160,6 +160,8 @@ class RunSession:
         self.feed_reader = "trainer"
         self.feed_view = None
         self.producer_check = self._check_producer
+        self.fleet = None
+        """Fully async: the run's rollout fleet (``start_fleet``), which the trainer reads from."""
         self.owns_engine = True
         """False for a session that borrows another session's engine (``close`` leaves it running)."""
         self._eval_lock = threading.Lock()
@@ -263,6 +265,16 @@ class RunSession:
         """The next ``n`` training prompts, rendered and tokenized."""
         return _render(self.source.next_batch(n), self.cfg.data, self.tokenizer)
 
+    def render_rows(self, indices: list[int]) -> list[PromptItem]:
+        """The training prompts with these row indices, rendered and tokenized (a fleet's claims)."""
+        return _render(self.source.rows(indices), self.cfg.data, self.tokenizer)
+
+    @property
+    def loop(self):
+        """The asyncio loop the engine lives on (built with the engine)."""
+        self.engine  # noqa: B018
+        return self._loop.loop
+
     @_built_once
     def reward_post_process(self):
         from miles_core.rewards import load_post_process
@@ -337,7 +349,7 @@ class RunSession:
         if metrics["num_optimizer_steps"] > 0:
             uri = self.trainer.export(version)
         else:  # nothing trainable in this batch (e.g. every sample failed): the engine keeps its weights
-            uri = self._weights_uri(version)
+            uri = self.weights_uri(version)
         seconds = time.perf_counter() - t0
         metrics.update(
             train_seconds=seconds,
@@ -347,7 +359,7 @@ class RunSession:
         )
         return TrainRef(step=step, version=version, weights_uri=uri, metrics=metrics)
 
-    def _weights_uri(self, version: int) -> str:
+    def weights_uri(self, version: int) -> str:
         """Where the policy of ``version`` is: its snapshot, or the starting model for version 0."""
         return self.weights.uri(version) if version > 0 else self.refs.model_dir
 
@@ -388,7 +400,7 @@ class RunSession:
             with self._eval_lock:
                 engine = self.eval_engine
                 if engine.weight_version != version:
-                    self._run(engine.update_weights(self._weights_uri(version), version))
+                    self._run(engine.update_weights(self.weights_uri(version), version))
                 return self._evaluate_on(engine, step, record)
         finally:
             if version > 0:
@@ -500,7 +512,7 @@ class RunSession:
         self.layout.write_jsonl("eval.jsonl", self._evals)
         self._reopen_stream()
         if "engine" in self.__dict__:  # else the engine loads the latest version, now v, when built
-            self.push_weights(self._weights_uri(version), version)
+            self.push_weights(self.weights_uri(version), version)
         return step
 
     def _reopen_stream(self) -> None:
@@ -541,14 +553,32 @@ class RunSession:
         if "producer" in self.__dict__:
             self.producer.request_stop()
 
-    def pause_producer(self) -> None:
-        """Hold the producer until no request is in the engine (evaluation borrows it)."""
-        if "producer" in self.__dict__:
+    def pause_producer(self, holder: str = "eval") -> None:
+        """Hold the producers until none has a request in its engine (evaluation borrows it): the
+        fleet's through the run folder, an in-process producer directly."""
+        if self.fleet is not None:
+            self.fleet.pause(holder)
+        elif "producer" in self.__dict__:
             self._run(self.producer.pause())
 
-    def resume_producer(self) -> None:
-        if "producer" in self.__dict__:
+    def resume_producer(self, holder: str = "eval") -> None:
+        if self.fleet is not None:
+            self.fleet.resume(holder)
+        elif "producer" in self.__dict__:
             self._run(self.producer.resume())
+
+    def start_fleet(self, launcher, warn=print):
+        """Launch the run's rollout producers (``async_rollout.rollout_producers``) with ``launcher``;
+        the trainer's feed reads their streams from then on."""
+        from miles_core.rollout.supervisor import Fleet
+
+        self.fleet = Fleet(self.cfg, self.refs, launcher, self.stream, warn=warn)
+        self.fleet.start()
+        return self.fleet
+
+    def stop_fleet(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
 
     def _check_producer(self) -> None:
         error = self.__dict__.get("_producer_error")
@@ -564,11 +594,14 @@ class RunSession:
             a = self.cfg.async_rollout
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
-            kwargs = {"warn": warn} if warn is not None else {}
+            kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
             if self.feed_view is not None:
                 kwargs["view"] = self.feed_view
-            self._feed = GroupFeed(self.stream, buffer, a, reader=self.feed_reader, producer_check=self.producer_check,
-                                   read_ahead=a.read_ahead, **kwargs)
+            if self.fleet is not None:
+                kwargs.update(streams=self.fleet.streams, recycle=self.fleet.recycle, producer_check=self.fleet.check)
+            else:
+                kwargs["producer_check"] = self.producer_check
+            self._feed = GroupFeed(self.stream, buffer, a, reader=self.feed_reader, read_ahead=a.read_ahead, **kwargs)
             self._producer_seen = (time.monotonic(), 0, 0.0)
         return self._feed
 
@@ -590,7 +623,10 @@ class RunSession:
         return ref
 
     def _producer_metrics(self) -> dict[str, float]:
-        """Producer throughput and idle share since the last step (from its live counters)."""
+        """Producer throughput and idle share since the last step (from its live counters, or the
+        fleet's heartbeats)."""
+        if self.fleet is not None:
+            return self.fleet.metrics()
         if "producer" not in self.__dict__:
             return {}
         stats, scheduler = self.producer.stats, self.producer.scheduler
@@ -615,6 +651,8 @@ class RunSession:
         self.layout.write_json("summary.json", summary)
 
     def close(self) -> None:
+        if self.fleet is not None:  # a run that ends by an error: its producers must not outlive it
+            self.fleet.stop(timeout=20)
         if "_feed" in self.__dict__:
             self._feed.close()
         if "eval_engine" in self.__dict__:

@@ -67,6 +67,30 @@ class DataSource:
                 raise ValueError(f"push_back: no row with index {row.index} in this DataSource")
         self._retry.extend(self._by_index[row.index] for row in rows)
 
+    def rows(self, indices: Iterable[int]) -> list[PromptRow]:
+        """The rows with these indices, in the order given."""
+        try:
+            return [self._by_index[i] for i in indices]
+        except KeyError as e:
+            raise ValueError(f"no prompt row with index {e.args[0]} in this DataSource (a prompt log of "
+                             "another dataset?)") from None
+
+    def draw(self, cursor: dict[str, int] | None, n: int) -> tuple[list[int], dict[str, int]]:
+        """The indices of the ``n`` rows of the epoch order after ``cursor`` (``{"epoch",
+        "position"}``; None: the start), and the cursor after them. Pure: this source's own cursor
+        does not move (a fleet's prompt log keeps the cursor; see ``rollout/fleet.py``)."""
+        epoch, position = (0, 0) if cursor is None else (int(cursor["epoch"]), int(cursor["position"]))
+        order = self._order if epoch == self._epoch else self._order_of(epoch)
+        out = []
+        while len(out) < n:
+            take = min(n - len(out), len(order) - position)
+            out += [row.index for row in order[position : position + take]]
+            position += take
+            if position == len(order):
+                epoch, position = epoch + 1, 0
+                order = self._order_of(epoch)
+        return out, {"epoch": epoch, "position": position}
+
     def state(self) -> dict[str, Any]:
         """JSON-able cursor: epoch, position in the epoch, retry buffer (row indices)."""
         return {

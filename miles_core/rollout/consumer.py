@@ -40,7 +40,7 @@ from miles_core.types import Group, Sample, regroup
 
 if TYPE_CHECKING:
     from miles_core.config import AsyncConfig
-    from miles_core.storage.stream import SampleStream
+    from miles_core.storage.stream import SampleStream, Segment, StreamReader
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,17 @@ class GroupFeed:
         warn: Callable[[str], None] = log.warning,
         read_ahead: bool = False,
         view: GroupView | None = None,
+        streams: Callable[[], list[tuple[SampleStream, int | None]]] | None = None,
+        recycle: Callable[[list[Group]], None] | None = None,
     ) -> None:
         self.stream = stream
-        self.reader = stream.reader(reader)
+        self.reader_name = reader
+        self.streams = streams
+        """A fleet: the producers' streams to read, each with the last offset to read of it (a
+        dead producer's fence) or None; called on every poll, so producers may join. None: just
+        ``stream``."""
+        self.readers: dict[str, StreamReader] = {}
+        self.reader = self._reader_of(stream) if streams is None else None
         self.buffer = buffer
         self.view = view
         """Applied to every group read (see ``adapter_view``, ``shared_view``); None keeps them all."""
@@ -121,9 +129,13 @@ class GroupFeed:
         self.producer_check = producer_check
         self.poll_s = poll_s
         self.warn = warn
-        self._unused: dict[int, int] = {}  # segment offset -> groups of it not yet taken
-        self._segment_of: dict[int, int] = {}  # group index -> segment offset
-        self._recycle = stream.sibling(RECYCLE_PRODUCER) if cfg.unused_samples_handler == "retry" else None
+        self._unused: dict[tuple[str, int], int] = {}  # (stream, segment offset) -> groups of it not yet taken
+        self._segment_of: dict[int, tuple[str, int]] = {}  # group index -> (stream, segment offset)
+        self._recycle_fn = recycle
+        """Where rejected groups go with ``unused_samples_handler = "retry"`` (a fleet: its prompt
+        log); None: the ``recycle`` stream beside ``stream``."""
+        retry = cfg.unused_samples_handler == "retry"
+        self._recycle = stream.sibling(RECYCLE_PRODUCER) if retry and recycle is None else None
         self._handed_out: list[Group] = []
         self._decoded: queue.Queue | None = None  # read-ahead: (offset, groups, not mine) or the reader's error
         self._ahead_lock = threading.Lock()
@@ -151,7 +163,7 @@ class GroupFeed:
             self.producer_check()
             if self._ended():
                 raise ProducerEnded(
-                    f"the rollout producer closed {self.stream.uri} after offset {self.reader.position}; "
+                    f"the rollout producer closed {self.stream.uri} after offset {self._positions()}; "
                     f"the trainer still needs {n - len(groups)} of {n} groups for this step"
                 )
             t_wait = time.monotonic()
@@ -161,7 +173,7 @@ class GroupFeed:
                 warned_at = time.monotonic()
                 self.warn(
                     f"trainer has waited {time.monotonic() - t0:.0f} s for rollout data "
-                    f"({len(groups)}/{n} groups; stream {self.stream.uri}, read up to offset {self.reader.position})"
+                    f"({len(groups)}/{n} groups; read up to {self._positions()} of {self.stream.uri})"
                 )
         self._handed_out += groups
         groups.sort(key=lambda g: g.group_index)
@@ -176,10 +188,29 @@ class GroupFeed:
         """Stop the read-ahead thread (if any)."""
         self._closed = True
 
+    def _reader_of(self, stream: SampleStream) -> StreamReader:
+        if stream.producer not in self.readers:
+            self.readers[stream.producer] = stream.reader(self.reader_name)
+        return self.readers[stream.producer]
+
+    def _positions(self) -> str:
+        return ", ".join(f"{name} offset {r.position}" for name, r in sorted(self.readers.items())) or "nothing"
+
+    def _new_segments(self) -> list[tuple[str, Segment]]:
+        """New whole segments of every stream, in a fixed order: by stream name, then offset."""
+        sources = [(self.stream, None)] if self.streams is None else self.streams()
+        found = []
+        for stream, last in sorted(sources, key=lambda s: s[0].producer):
+            reader = self._reader_of(stream)
+            if last is not None and reader.position >= last:
+                continue  # a fenced producer's stream, read up to its fence
+            found += [(stream.producer, s) for s in reader.read() if last is None or s.offset <= last]
+        return found
+
     def _read_more(self) -> bool:
         """Move newly written segments into the buffer; True if there were any."""
         if self._decoded is None:
-            decoded = [self._decode(s) for s in self.reader.read()]
+            decoded = [self._decode(name, s) for name, s in self._new_segments()]
         else:
             decoded = []
             while not self._decoded.empty():
@@ -187,31 +218,31 @@ class GroupFeed:
                 if isinstance(item, BaseException):
                     raise item
                 decoded.append(item)
-        for offset, groups, not_mine in decoded:
-            self._unused[offset] = len(groups)
+        for key, groups, not_mine in decoded:
+            self._unused[key] = len(groups)
             for g in groups:
-                self._segment_of[g.group_index] = offset
+                self._segment_of[g.group_index] = key
             self.buffer.put(groups)
             self.totals["not_mine"] += not_mine
         if decoded:
             self._use([])  # segments with none of this consumer's groups are done already
         return bool(decoded)
 
-    def _decode(self, segment) -> tuple[int, list[Group], int]:
+    def _decode(self, name: str, segment: Segment) -> tuple[tuple[str, int], list[Group], int]:
         """A segment's groups as this consumer sees them, and how many were not its own."""
         groups = regroup(segment.samples())
         if self.view is None:
-            return segment.offset, groups, 0
+            return (name, segment.offset), groups, 0
         viewed = [v for v in map(self.view, groups) if v is not None]
-        return segment.offset, viewed, len(groups) - len(viewed)
+        return (name, segment.offset), viewed, len(groups) - len(viewed)
 
     def _read_ahead(self) -> None:
         """Background reading and decoding, so that a batch is ready when the trainer asks for it."""
         while not self._closed:
             try:
                 with self._ahead_lock:
-                    for segment in self.reader.read():
-                        self._decoded.put(self._decode(segment))
+                    for name, segment in self._new_segments():
+                        self._decoded.put(self._decode(name, segment))
             except BaseException as e:  # noqa: BLE001 (the trainer's thread raises it)
                 self._decoded.put(e)
                 return
@@ -219,6 +250,8 @@ class GroupFeed:
 
     def _ended(self) -> bool:
         """The stream is closed and every group of it has been handed out or rejected."""
+        if self.streams is not None:
+            return False  # a fleet's producers do not end the run; its monitor says when they are gone
         with self._ahead_lock:
             decoded_all = self.reader.finished and (self._decoded is None or self._decoded.empty())
         return decoded_all and len(self.buffer) == 0
@@ -229,7 +262,10 @@ class GroupFeed:
             return
         for r in rejected:
             self.totals[r.reason] += 1
-        if self._recycle is not None:
+        if self._recycle_fn is not None:
+            self._recycle_fn([r.group for r in rejected])
+            self.totals["recycled"] += len(rejected)
+        elif self._recycle is not None:
             self._recycle.append([s for r in rejected for s in r.group.samples])
             self.totals["recycled"] += len(rejected)
         else:
@@ -239,15 +275,16 @@ class GroupFeed:
     def _use(self, groups: list[Group]) -> None:
         """Mark groups used and move the durable cursor past segments with nothing left in them."""
         for g in groups:
-            offset = self._segment_of.pop(g.group_index, None)
-            if offset is not None:
-                self._unused[offset] -= 1
-        done = self.reader.cursor
-        while self._unused.get(done + 1) == 0:
-            done += 1
-            del self._unused[done]
-        if done > self.reader.cursor:
-            self.reader.commit(done)
+            key = self._segment_of.pop(g.group_index, None)
+            if key is not None:
+                self._unused[key] -= 1
+        for name, reader in self.readers.items():  # each stream's cursor, past its wholly used segments
+            done = reader.cursor
+            while self._unused.get((name, done + 1)) == 0:
+                done += 1
+                del self._unused[(name, done)]
+            if done > reader.cursor:
+                reader.commit(done)
 
     def _metrics(self, groups: list[Group], rejected: list[Rejected], version: int) -> dict[str, Any]:
         lags = [group_lag(g, version) for g in groups]

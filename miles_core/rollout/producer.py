@@ -54,6 +54,7 @@ from miles_core.types import Group, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
+    from miles_core.rollout.worker import ProducerLink
     from miles_core.storage.layout import RunLayout
     from miles_core.storage.stream import SampleStream, StreamWriter
     from miles_core.storage.weights import WeightStore
@@ -257,6 +258,8 @@ class RolloutProducer:
         routes: Sequence[PolicyRoute] | None = None,
         capacity: int | None = None,
         version_stamp: Callable[[], dict[str, int]] | None = None,
+        link: ProducerLink | None = None,
+        state_file: str = STATE_FILE,
     ) -> None:
         self.cfg, self.acfg = cfg, cfg.async_rollout
         self.engine = engine
@@ -287,6 +290,15 @@ class RolloutProducer:
             raise ValueError(f"producer capacity must be at least 1 group, got {capacity}")
         self.capacity = capacity
         """Groups the producer may be ahead of the consumer (in flight + unwritten + unconsumed)."""
+        self.link = link
+        """The run's control plane as this producer sees it (a fleet member): stop, pause and fence
+        from storage, heartbeats to it, the rest of the fleet's groups in back-pressure. None: driven
+        in memory (``request_stop``, ``pause``) and alone in its stream."""
+        self.state_file = state_file
+        self.others_outstanding = 0
+        """Groups the fleet's other producers hold ahead of the trainer (from their heartbeats)."""
+        self._control_at = 0.0
+        self._paused_for: list[str] = []
         self.filters = GroupFilters(self.acfg.dynamic_filters)
         self.stats = ProducerStats()
         self.scheduler: SlotScheduler | None = None
@@ -305,6 +317,9 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._seen_weights_at = 0.0
         self._writer: StreamWriter | None = None
+        self.abandoned_prompts: list[int] = []
+        """Prompt indices of the groups cut short by stop and not saved as partial (their rows go
+        back to a fleet's prompt pool)."""
 
     # -------------------------------------------------------------------- control (any thread)
 
@@ -340,12 +355,13 @@ class RolloutProducer:
         try:
             while not self._stop.is_set():
                 self._raise_if_failed()
+                await self._poll_control()
                 await self._poll_weights_and_recycled()
                 await self._flush(force=False)
                 if not self._gate.is_set():  # paused, or loading weights
                     await asyncio.sleep(self.acfg.weight_poll_s)
                     continue
-                if self._outstanding() >= self.capacity:
+                if self._outstanding() + self.others_outstanding >= self.capacity:
                     await self._flush(force=True)  # at the bound: nothing more comes until the trainer moves
                     if not await self._wait_for_consumer():
                         continue
@@ -392,9 +408,8 @@ class RolloutProducer:
         if self._queue:
             work = self._queue.pop(0)
         else:
-            item = await asyncio.to_thread(self.prompts.next)
-            work = _Work(item, self._next_group, [None] * self.n, self._route(self._next_group))
-            self._next_group += 1
+            item, index = await asyncio.to_thread(self._next_prompt)
+            work = _Work(item, index, [None] * self.n, self._route(index))
         if self.version_stamp is not None and ADAPTER_VERSIONS not in work.item.metadata:
             # a resumed partial group keeps the stamp of its first start (its oldest spans)
             stamp = {name: int(v) for name, v in self.version_stamp().items()}
@@ -402,6 +417,16 @@ class RolloutProducer:
         self._works.add(work)
         self.stats.groups_started += 1
         return work
+
+    def _next_prompt(self) -> tuple[PromptItem, int]:
+        """The next prompt and its group index: a fleet's claimed prompts carry their own (unique
+        across producers); otherwise this producer counts them."""
+        take = getattr(self.prompts, "take", None)
+        if take is not None:
+            return take()
+        item, index = self.prompts.next(), self._next_group
+        self._next_group += 1
+        return item, index
 
     def _route(self, group_index: int) -> PolicyRoute:
         return self.routes[group_index % len(self.routes)]
@@ -552,7 +577,7 @@ class RolloutProducer:
         cursor = await asyncio.to_thread(self._consumer_cursor)
         for offset in [o for o in self._segment_groups if o <= cursor]:
             del self._segment_groups[offset]
-        if self._outstanding() < self.capacity:
+        if self._outstanding() + self.others_outstanding < self.capacity:
             return True
         await asyncio.sleep(0.05)
         self.stats.backpressure_seconds += time.monotonic() - t0
@@ -573,8 +598,42 @@ class RolloutProducer:
             latest = await asyncio.to_thread(self.weights.latest)
             if latest is not None and latest > self.engine.weight_version:
                 await self._update_weights(latest)
-        if self.acfg.unused_samples_handler == "retry":
+        if self.acfg.unused_samples_handler == "retry" and self.link is None:  # a fleet's come through its prompt log
             await asyncio.to_thread(self._take_recycled)
+
+    async def _poll_control(self) -> None:
+        """A fleet member: heartbeat, and obey stop, pause and fence from the run folder."""
+        if self.link is None or time.monotonic() - self._control_at < self.acfg.control_poll_s:
+            return
+        self._control_at = time.monotonic()
+        signal = await asyncio.to_thread(self.link.poll, self)
+        if signal.stop:
+            self._stop.set()
+        if signal.pause_holders and not self._paused_for:
+            await self.pause()
+            self._paused_for = list(signal.pause_holders)
+            await asyncio.to_thread(self.link.poll, self, True)  # say so now: the holder waits for it
+        elif not signal.pause_holders and self._paused_for:
+            self._paused_for = []
+            await self.resume()
+            await asyncio.to_thread(self.link.poll, self, True)
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """What this producer says of itself in its heartbeat."""
+        from dataclasses import asdict
+
+        if self.scheduler is not None:
+            self.stats.idle_seconds = self.scheduler.idle_seconds()
+            self.stats.peak_in_flight = self.scheduler.peak
+        version = self.engine.weight_version
+        return {
+            "status": "paused" if self._paused_for else "running",
+            "weight_version": int(version) if isinstance(version, int) else 0,
+            "outstanding": self._outstanding(),
+            "in_engine": self._calls_in_engine,
+            "paused_for": list(self._paused_for),
+            "stats": asdict(self.stats),
+        }
 
     async def _update_weights(self, version: int) -> None:
         """Load ``version``: in-flight requests finish under the old weights, or (partial rollout)
@@ -626,7 +685,7 @@ class RolloutProducer:
             reader.commit(segments[-1].offset)
 
     def _load_state(self) -> None:
-        state = self.layout.read_json(STATE_FILE) or {}
+        state = self.layout.read_json(self.state_file) or {}
         if "prompts" in state:
             self.prompts.load_state(state["prompts"])
         existing = self.stream.offsets()
@@ -645,7 +704,7 @@ class RolloutProducer:
 
         if self.scheduler is not None:
             self.stats.idle_seconds = self.scheduler.idle_seconds()
-        self.layout.write_json(STATE_FILE, {
+        self.layout.write_json(self.state_file, {
             "status": status,
             "error": error,
             "next_group_index": self._next_group,
@@ -681,6 +740,7 @@ class RolloutProducer:
             self.stats.groups_saved_partial += len(self._unfinished)
         else:
             self.stats.groups_abandoned += len(self._unfinished)
+            self.abandoned_prompts = [g.samples[0].prompt_index for g in self._unfinished]
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -7,6 +7,7 @@ hardly waits. The warm-started model is built once (about a minute) and cached l
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,15 +102,18 @@ def test_fully_async_mode_trains_from_the_stream_and_stops_cleanly(prefect_backe
     later = rows[2:]
     assert sum(r["trainer_wait_seconds"] for r in later) < 0.25 * sum(r["step_seconds"] for r in later)
 
-    producer = json.loads((Path(summary["run_dir"]) / "state" / "producer.json").read_text())
-    assert producer["status"] == "stopped" and producer["error"] is None
-    stream = SampleStream(summary["run_dir"])
-    assert stream.end_offset() is not None, "the run closes its stream"
+    # the producer ran in a process of its own and said everything through the run folder
+    run_dir = Path(summary["run_dir"])
+    beat = json.loads((run_dir / "fleet" / "producers" / "p0.json").read_text())
+    assert beat["status"] == "stopped" and beat["error"] is None and beat["pid"] != os.getpid()
+    assert summary["producers"]["p0"]["status"] == "stopped"
+    stream = SampleStream(summary["run_dir"], producer="rollout-p0")
     trained = sum(1 for _ in rows) * 32
-    written = producer["stats"]["groups_written"]
+    written = beat["stats"]["groups_written"]
     assert written >= trained, (written, trained)
+    assert sum(len(s) for s in stream.read()) == written * 8
     names = _task_names(state.state_details.flow_run_id)
-    assert names.count("rollout-producer") == 1 and "train-11" in names
+    assert names.count("launch-producers") == 1 and names.count("stop-producers") == 1 and "train-11" in names
 
 
 def test_fully_async_producer_failure_fails_the_run_with_its_error(prefect_backend, demo_model, tmp_path):
@@ -146,6 +150,6 @@ def test_extension_points_run_inside_the_flow(prefect_backend, demo_model, tmp_p
     assert state.is_completed(), state
     from miles_core.storage import SampleStream
 
-    samples = [s for seg in SampleStream(state.result()["run_dir"]).read() for s in seg.samples()]
+    samples = [s for seg in SampleStream(state.result()["run_dir"], producer="rollout-p0").read() for s in seg.samples()]
     two_turns = [s for s in samples if len(s.span_starts) == 2]
     assert two_turns and all(0 in s.loss_mask for s in two_turns)

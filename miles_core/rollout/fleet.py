@@ -1,0 +1,442 @@
+"""The rollout fleet's control plane: everything producers and the trainer tell each other is an
+object in the run folder, so one process, two processes and two machines run the same code.
+
+```
+<run>/fleet/claims/<seq:09d>.json       the prompt log: create-only entries, one per seq
+<run>/fleet/producers/<id>.json         each producer's heartbeat (status, version, counters, error)
+<run>/fleet/control/stop.json           the trainer asks every producer to stop
+<run>/fleet/control/pause/<holder>.json while any exists, producers submit nothing (and say so)
+<run>/fleet/control/fence/<id>.json     producer <id> was declared dead: it must stop; the trainer
+                                        ignores its segments after the offset named there
+<run>/samples/rollout-<id>/             producer <id>'s own segment prefix (``stream_name``)
+```
+
+Parts:
+- ``PromptLog``: prompts exactly once across the fleet. ``claim(producer, n)`` appends the next
+  entry of a totally ordered log with a create-only write (S3 ``If-None-Match: *``, local
+  ``os.link``); an entry takes rows released earlier first, then the next rows of the data cursor,
+  and records the cursor and the still-pending released rows after it. Each entry is computed from
+  the one before it and only one entry can exist per seq, so every prompt of an epoch is in
+  exactly one claim, and every released row in exactly one later claim. ``release(rows)`` (a dead
+  producer's unwritten prompts, or the prompts of groups the trainer rejected with
+  ``unused_samples_handler = "retry"``) is an entry too. A claim's groups are numbered
+  ``seq * GROUP_STRIDE + i``: unique across the fleet without coordination.
+- ``ControlPlane``: heartbeats, stop, pause, fences, read and written by either side.
+- ``FleetMonitor``: the trainer's view of the fleet: which producers are alive (a heartbeat whose
+  beat counter has not moved for ``heartbeat_timeout_s`` seconds, measured on the trainer's own
+  clock, is dead; so is one the launcher reports ended, or one that wrote ``failed``), which
+  streams to read (and up to where), and what each dead producer claimed but never wrote, which
+  goes back to the pool. Launching and restarting is the launcher's (see ``flows/fleet.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_core.storage.fs import (
+    DEFAULT_RETRY,
+    atomic_write,
+    create_only_write,
+    join,
+    list_after,
+    open_fs,
+    read_bytes,
+    to_url,
+    with_retries,
+)
+from miles_core.storage.layout import check_name
+
+FLEET = "fleet"
+GROUP_STRIDE = 1 << 16
+"""Group indices of claim ``seq`` are ``seq * GROUP_STRIDE + i``; a claim holds fewer prompts."""
+_ENTRY = "{:09d}.json"
+
+
+def stream_name(producer: str) -> str:
+    """The sample stream (segment prefix) producer ``producer`` writes."""
+    return f"rollout-{check_name('producer', producer)}"
+
+
+class _Files:
+    """Small JSON objects under ``<run>/fleet/``, every call retried on transient storage errors."""
+
+    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.fs, run_dir = open_fs(run_dir_url, storage_options)
+        self.root = join(run_dir, FLEET)
+
+    def path(self, rel: str) -> str:
+        return join(self.root, rel)
+
+    def url(self, rel: str) -> str:
+        return to_url(self.fs, self.path(rel))
+
+    def _call(self, fn, rel: str):
+        return with_retries(fn, self.url(rel), self.fs, DEFAULT_RETRY)
+
+    def read(self, rel: str) -> Any | None:
+        data = self._call(lambda: read_bytes(self.fs, self.path(rel)), rel)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"{self.url(rel)} is not valid JSON ({len(data)} bytes): {e}") from e
+
+    def write(self, rel: str, obj: Any) -> None:
+        data = json.dumps(obj, sort_keys=True).encode()
+        self._call(lambda: atomic_write(self.fs, self.path(rel), data), rel)
+
+    def create(self, rel: str, obj: Any) -> None:
+        """Write only if nothing is there (FileExistsError otherwise)."""
+        create_only_write(self.fs, self.path(rel), json.dumps(obj, sort_keys=True).encode())
+
+    def exists(self, rel: str) -> bool:
+        return bool(self._call(lambda: self.fs.exists(self.path(rel)), rel))
+
+    def names(self, folder: str, after: str | None = None) -> list[str]:
+        try:
+            return self._call(lambda: list_after(self.fs, self.path(folder), after), folder)
+        except FileNotFoundError:
+            return []
+
+    def remove(self, rel: str) -> None:
+        try:
+            self._call(lambda: self.fs.rm_file(self.path(rel)), rel)
+        except FileNotFoundError:
+            pass
+
+
+# ----------------------------------------------------------------------------------- the prompt log
+
+
+@dataclass
+class Claim:
+    """One entry of the prompt log: rows claimed by ``producer`` (or released back to the pool)."""
+
+    seq: int
+    kind: str
+    """``claim`` (a producer takes rows) or ``release`` (rows go back to the pool)."""
+    producer: str | None
+    rows: list[int]
+    """Prompt row indices (``PromptRow.index``), in order."""
+    cursor: Any
+    """The data cursor after this entry (opaque to the log; the ``draw`` function's)."""
+    pending: list[int]
+    """Released rows not yet claimed again, after this entry."""
+    reason: str = ""
+
+    @property
+    def group_base(self) -> int:
+        return self.seq * GROUP_STRIDE
+
+    def group_index(self, i: int) -> int:
+        return self.group_base + i
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "kind": self.kind, "producer": self.producer, "rows": self.rows,
+                "cursor": self.cursor, "pending": self.pending, "reason": self.reason, "at": time.time()}
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> Claim:
+        return cls(obj["seq"], obj["kind"], obj["producer"], list(obj["rows"]), obj["cursor"],
+                   list(obj["pending"]), obj.get("reason", ""))
+
+
+Draw = Callable[[Any, int], tuple[list[int], Any]]
+"""``draw(cursor, n) -> (rows, cursor_after)``: the next ``n`` rows of the data order after
+``cursor`` (None: the start)."""
+
+
+class PromptLog:
+    """The run's prompt log (``fleet/claims/``); see the module docstring."""
+
+    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None,
+                 draw: Draw | None = None, start_cursor: Any = None) -> None:
+        self.files = _Files(run_dir_url, storage_options)
+        self.draw = draw
+        self.start_cursor = start_cursor
+        """The cursor before the first entry (a fresh run: None)."""
+        self._entries: list[Claim] = []  # every entry read so far, by seq (the log has no gaps)
+
+    def entries(self) -> list[Claim]:
+        """Every entry of the log, oldest first (only new ones are read from storage)."""
+        after = _ENTRY.format(self._entries[-1].seq) if self._entries else None
+        for name in self.files.names("claims", after):
+            if not (name.endswith(".json") and name[:-5].isdigit()):
+                continue  # a temp file or a stray object
+            obj = self.files.read(f"claims/{name}")
+            self._entries.append(Claim.of(obj))
+        return list(self._entries)
+
+    def last(self) -> Claim | None:
+        entries = self.entries()
+        return entries[-1] if entries else None
+
+    def claim(self, producer: str, n: int) -> Claim:
+        """Take the next ``n`` prompts for ``producer``: released ones first, then new ones."""
+        if self.draw is None:
+            raise RuntimeError("this PromptLog has no draw function: it can release rows but not claim them")
+        if not 0 < n < GROUP_STRIDE:
+            raise ValueError(f"a claim takes 1 to {GROUP_STRIDE - 1} prompts, got {n}")
+
+        def entry(last: Claim | None) -> Claim:
+            cursor = last.cursor if last is not None else self.start_cursor
+            pending = list(last.pending) if last is not None else []
+            rows, pending = pending[:n], pending[n:]
+            if len(rows) < n:
+                new, cursor = self.draw(cursor, n - len(rows))
+                rows += new
+            seq = last.seq + 1 if last is not None else 0
+            return Claim(seq, "claim", producer, rows, cursor, pending)
+
+        return self._append(entry)
+
+    def release(self, rows: Iterable[int], reason: str, producer: str | None = None) -> Claim | None:
+        """Put ``rows`` back in the pool (claimed again before any new prompt); None if no rows."""
+        rows = [int(r) for r in rows]
+        if not rows:
+            return None
+
+        def entry(last: Claim | None) -> Claim:
+            cursor = last.cursor if last is not None else self.start_cursor
+            pending = (list(last.pending) if last is not None else []) + rows
+            seq = last.seq + 1 if last is not None else 0
+            return Claim(seq, "release", producer, rows, cursor, pending, reason)
+
+        return self._append(entry)
+
+    def _append(self, make: Callable[[Claim | None], Claim]) -> Claim:
+        while True:
+            new = make(self.last())
+            try:
+                self.files.create(f"claims/{_ENTRY.format(new.seq)}", new.to_json())
+            except FileExistsError:
+                continue  # another side appended this seq first: read it, then try the next one
+            self._entries.append(new)
+            return new
+
+    def claims_of(self, producer: str) -> list[Claim]:
+        return [c for c in self.entries() if c.kind == "claim" and c.producer == producer]
+
+
+# ---------------------------------------------------------------------------------- control plane
+
+
+class ProducerFenced(RuntimeError):
+    """This producer was declared dead by the trainer; whatever it writes now is ignored."""
+
+
+@dataclass
+class Heartbeat:
+    """What a producer last said about itself (``fleet/producers/<id>.json``)."""
+
+    producer: str
+    status: str
+    """``starting``, ``running``, ``paused``, ``stopped`` or ``failed``."""
+    beat: int = 0
+    """Incremented on every write: the trainer measures liveness by when it last changed."""
+    weight_version: int = 0
+    outstanding: int = 0
+    """Groups this producer holds ahead of the trainer: in flight, unwritten, written but unread."""
+    in_engine: int = 0
+    paused_for: list[str] = field(default_factory=list)
+    """Pause holders this producer has honoured (nothing of its is in the engine)."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    traceback: str | None = None
+    host: str = ""
+    pid: int = 0
+    flow_run_id: str | None = None
+    updated_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> Heartbeat:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in obj.items() if k in known})
+
+
+class ControlPlane:
+    """Heartbeats, stop, pause and fences of one run's fleet."""
+
+    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.files = _Files(run_dir_url, storage_options)
+
+    # -- producers write
+    def beat(self, hb: Heartbeat) -> None:
+        hb.beat += 1
+        hb.updated_at = time.time()
+        hb.host, hb.pid = hb.host or socket.gethostname(), hb.pid or os.getpid()
+        self.files.write(f"producers/{check_name('producer', hb.producer)}.json", hb.to_json())
+
+    # -- either side reads
+    def heartbeats(self) -> dict[str, Heartbeat]:
+        out = {}
+        for name in self.files.names("producers"):
+            if name.endswith(".json") and not name.startswith("."):
+                obj = self.files.read(f"producers/{name}")
+                if obj is not None:
+                    out[name[:-5]] = Heartbeat.of(obj)
+        return out
+
+    def heartbeat(self, producer: str) -> Heartbeat | None:
+        obj = self.files.read(f"producers/{producer}.json")
+        return None if obj is None else Heartbeat.of(obj)
+
+    # -- stop
+    def request_stop(self, reason: str = "") -> None:
+        self.files.write("control/stop.json", {"reason": reason, "at": time.time()})
+
+    def stop_requested(self) -> bool:
+        return self.files.exists("control/stop.json")
+
+    def clear_stop(self) -> None:
+        self.files.remove("control/stop.json")
+
+    # -- pause (an evaluation borrows an engine)
+    def pause(self, holder: str) -> None:
+        self.files.write(f"control/pause/{check_name('pause holder', holder)}.json", {"at": time.time()})
+
+    def unpause(self, holder: str) -> None:
+        self.files.remove(f"control/pause/{holder}.json")
+
+    def pause_holders(self) -> list[str]:
+        return [n[:-5] for n in self.files.names("control/pause") if n.endswith(".json") and not n.startswith(".")]
+
+    # -- fences (a producer declared dead)
+    def fence(self, producer: str, last_offset: int, reason: str) -> None:
+        self.files.write(f"control/fence/{check_name('producer', producer)}.json",
+                         {"last_offset": last_offset, "reason": reason, "at": time.time()})
+
+    def fence_of(self, producer: str) -> int | None:
+        """The last offset of ``producer``'s stream the trainer reads, if it was fenced."""
+        obj = self.files.read(f"control/fence/{producer}.json")
+        return None if obj is None else int(obj["last_offset"])
+
+    @property
+    def url(self) -> str:
+        return self.files.url("")
+
+
+# ---------------------------------------------------------------------------------------- monitor
+
+
+class ProducerFailed(RuntimeError):
+    """A producer died and no restart is left; the message names it and its last error."""
+
+
+@dataclass
+class _Watched:
+    producer: str
+    launched_at: float
+    beat: int = -1
+    beat_seen_at: float = 0.0
+    dead: str | None = None
+    """Why it was declared dead (None: alive, as far as the trainer knows)."""
+    last: Heartbeat | None = None
+
+
+class FleetMonitor:
+    """The trainer's view of the fleet: liveness, the streams to read, releasing a dead producer's
+    unwritten prompts. ``poll()`` (rate-limited to ``poll_s``) reads the heartbeats and returns the
+    producers found dead since the last poll, each already fenced and released; new producers that
+    beat (one started by hand joins the run) are watched from then on."""
+
+    def __init__(self, control: ControlPlane, log: PromptLog, written: Callable[[str, int], set[int]],
+                 heartbeat_timeout_s: float, start_timeout_s: float = 300.0, poll_s: float = 0.5,
+                 ended: Callable[[str], str | None] = lambda producer: None) -> None:
+        self.control, self.log = control, log
+        self.written = written
+        """``written(producer, last_offset)``: group indices in that producer's segments up to the offset."""
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.poll_s = poll_s
+        self.ended = ended
+        """``ended(producer)``: why the launcher knows it ended (exit code, flow run state), or None."""
+        self.watched: dict[str, _Watched] = {}
+        self.fences: dict[str, int] = {}
+        self._polled_at = 0.0
+
+    def watch(self, producer: str) -> None:
+        self.watched.setdefault(producer, _Watched(producer, time.monotonic()))
+
+    @property
+    def alive(self) -> list[str]:
+        return sorted(p for p, w in self.watched.items() if w.dead is None)
+
+    def producers(self) -> list[str]:
+        """Every producer whose stream the trainer reads (the dead ones' up to their fence)."""
+        return sorted(self.watched)
+
+    def heartbeats(self) -> dict[str, Heartbeat]:
+        return {p: w.last for p, w in self.watched.items() if w.last is not None}
+
+    def poll(self, force: bool = False, last_offset: Callable[[str], int] = lambda p: -1) -> list[_Watched]:
+        now = time.monotonic()
+        if not force and now - self._polled_at < self.poll_s:
+            return []
+        self._polled_at = now
+        beats = self.control.heartbeats()
+        for producer in beats:
+            if producer not in self.watched and self.control.fence_of(producer) is None:
+                self.watch(producer)  # joined the run
+        died = []
+        for w in self.watched.values():
+            if w.dead is not None:
+                continue
+            hb = beats.get(w.producer)
+            if hb is not None and hb.beat != w.beat:
+                w.beat, w.beat_seen_at, w.last = hb.beat, now, hb
+            why = self._why_dead(w, hb, now)
+            if why is not None:
+                self._declare_dead(w, why, last_offset(w.producer))
+                died.append(w)
+        return died
+
+    def _why_dead(self, w: _Watched, hb: Heartbeat | None, now: float) -> str | None:
+        if hb is not None and hb.status == "failed":
+            return f"it failed: {hb.error}"
+        if hb is not None and hb.status == "stopped":
+            return None
+        ended = self.ended(w.producer)
+        if ended is not None:
+            return ended
+        if hb is None:
+            waited = now - w.launched_at
+            return f"no heartbeat {waited:.0f} s after launch" if waited > self.start_timeout_s else None
+        quiet = now - w.beat_seen_at
+        if quiet > self.heartbeat_timeout_s:
+            return f"no heartbeat for {quiet:.1f} s (timeout {self.heartbeat_timeout_s:g} s)"
+        return None
+
+    def _declare_dead(self, w: _Watched, why: str, last_offset: int) -> None:
+        """Fence it at what the trainer can see of its stream now, and release what it claimed
+        and did not write there."""
+        w.dead = why
+        self.control.fence(w.producer, last_offset, why)
+        self.fences[w.producer] = last_offset
+        written = self.written(w.producer, last_offset)
+        unwritten = [c.rows[i] for c in self.log.claims_of(w.producer)
+                     for i in range(len(c.rows)) if c.group_index(i) not in written]
+        self.log.release(unwritten, reason=f"producer {w.producer} died", producer=w.producer)
+        w.released = len(unwritten)  # type: ignore[attr-defined]
+
+    def describe(self, w: _Watched) -> str:
+        """A dead producer, its reason and its last error with traceback (if it wrote one)."""
+        text = f"rollout producer {w.producer} died: {w.dead}"
+        hb = w.last
+        if hb is not None and hb.host:
+            text += f" (host {hb.host}, pid {hb.pid}" + (f", flow run {hb.flow_run_id}" if hb.flow_run_id else "") + ")"
+        if hb is not None and hb.error and hb.error not in (w.dead or ""):
+            text += f"; its last error: {hb.error}"
+        if hb is not None and hb.traceback:
+            text += "\n" + hb.traceback
+        return text

@@ -1,0 +1,192 @@
+"""The trainer's side of a rollout fleet: launch, watch, replace, pause and stop producers,
+through the run folder only (``rollout/fleet.py``) and a launcher.
+
+``Fleet(cfg, refs, launcher)``:
+- ``start()`` launches ``rollout_producers`` producers (ids ``p0``, ``p1``, ...);
+- ``check()`` (the feed calls it on every poll) finds dead producers (``FleetMonitor``), fences
+  them, gives their claimed-but-unwritten prompts back to the pool, and launches a replacement,
+  at most ``producer_restarts`` times over the run; one more death raises ``ProducerFailed``
+  naming the producer and its last error with its traceback;
+- ``streams()``: what the trainer reads: every producer's stream, a dead one's up to its fence;
+- ``recycle(groups)``: prompts of rejected groups back to the pool (``unused_samples_handler = retry``);
+- ``pause(holder)`` / ``resume(holder)``: an evaluation borrows the engines; ``pause`` returns once
+  every live producer says it has nothing in its engine;
+- ``stop()``: ``control/stop.json``, wait for every producer to say ``stopped``, then the launcher
+  makes sure each is gone.
+
+A launcher has ``launch(producer)``, ``ended(producer) -> reason | None`` and ``stop(producer, timeout)``:
+``worker.SubprocessLauncher`` (child processes) or ``flows/fleet.DeploymentLauncher`` (flow runs of
+a deployment, children of the training run).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from miles_core.rollout.fleet import ControlPlane, FleetMonitor, ProducerFailed, PromptLog, stream_name
+from miles_core.types import Group
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
+    from miles_core.run import RunRefs
+    from miles_core.storage.stream import SampleStream
+
+
+class Launcher(Protocol):
+    def launch(self, producer: str) -> None: ...
+
+    def ended(self, producer: str) -> str | None: ...
+
+    def stop(self, producer: str, timeout: float = 10.0) -> None: ...
+
+
+class Fleet:
+    def __init__(self, cfg: RunConfig, refs: RunRefs, launcher: Launcher, base_stream: SampleStream,
+                 warn=print) -> None:
+        a = cfg.async_rollout
+        opts = cfg.storage.storage_options
+        self.cfg, self.refs, self.launcher, self.warn = cfg, refs, launcher, warn
+        self.base_stream = base_stream
+        self.control = ControlPlane(refs.run_dir, opts)
+        self.log = PromptLog(refs.run_dir, opts)
+        self.monitor = FleetMonitor(self.control, self.log, self._written, a.producer_heartbeat_timeout_s,
+                                    a.producer_start_timeout_s, ended=launcher.ended)
+        self.restarts_left = a.producer_restarts
+        self.deaths: list[str] = []
+        self._streams: dict[str, SampleStream] = {}
+        self._next = 0
+        self._seen: tuple[float, int, float] | None = None
+        self._stopped = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self.control.clear_stop()
+        known = [int(p[1:]) for p in self.control.heartbeats() if p[:1] == "p" and p[1:].isdigit()]
+        self._next = max(known, default=-1) + 1  # a run started again never reuses a producer's stream
+        for _ in range(self.cfg.async_rollout.rollout_producers):
+            self._launch()
+
+    def _launch(self) -> str:
+        producer = f"p{self._next}"
+        self._next += 1
+        self.monitor.watch(producer)
+        self.launcher.launch(producer)
+        return producer
+
+    def check(self) -> None:
+        """Notice dead producers and replace them (or fail the run when no restart is left)."""
+        for w in self.monitor.poll(last_offset=self._last_offset):
+            self.deaths.append(w.producer)
+            text = self.monitor.describe(w)
+            released = getattr(w, "released", 0)
+            if self.restarts_left <= 0:
+                limit = self.cfg.async_rollout.producer_restarts
+                raise ProducerFailed(f"{text}\n(no restart left: --producer-restarts {limit} used up)")
+            self.restarts_left -= 1
+            self.launcher.stop(w.producer, timeout=5)
+            replacement = self._launch()
+            self.warn(f"{text.splitlines()[0]}; {released} of its claimed prompts went back to the pool; "
+                      f"launched {replacement} in its place ({self.restarts_left} restart(s) left)")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ask every producer to stop, wait for each to say so, then make sure each is gone."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.control.request_stop("the training run is over")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            beats = self.control.heartbeats()
+            waiting = [p for p in self.monitor.alive
+                       if beats.get(p) is None or beats[p].status not in ("stopped", "failed")]
+            waiting = [p for p in waiting if self.launcher.ended(p) is None]
+            if not waiting:
+                break
+            time.sleep(0.1)
+        else:
+            self.warn(f"rollout producers {waiting} did not stop within {timeout:.0f} s; stopping them")
+        for producer in self.monitor.producers():
+            self.launcher.stop(producer, timeout=10)
+
+    # -------------------------------------------------------------------------- the trainer reads
+
+    def stream(self, producer: str) -> SampleStream:
+        if producer not in self._streams:
+            self._streams[producer] = self.base_stream.sibling(stream_name(producer))
+        return self._streams[producer]
+
+    def streams(self) -> list[tuple[SampleStream, int | None]]:
+        """Each producer's stream and, for a fenced one, the last offset to read of it."""
+        return [(self.stream(p), self.monitor.fences.get(p)) for p in self.monitor.producers()]
+
+    def recycle(self, groups: list[Group]) -> None:
+        self.log.release([g.samples[0].prompt_index for g in groups], reason="rejected by the trainer (retry)")
+
+    def _last_offset(self, producer: str) -> int:
+        offsets = self.stream(producer).offsets()
+        return offsets[-1] if offsets else -1
+
+    def _written(self, producer: str, last_offset: int) -> set[int]:
+        stream, written = self.stream(producer), set()
+        for offset in stream.offsets():
+            if offset <= last_offset:
+                written |= set(stream.read_segment(offset).table.column("group_index").to_pylist())
+        return written
+
+    # ------------------------------------------------------------------------------ pause
+
+    def pause(self, holder: str, timeout: float = 120.0) -> None:
+        """Hold every producer until none has a request in its engine."""
+        self.control.pause(holder)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            beats = self.control.heartbeats()
+            waiting = [p for p in self.monitor.alive if beats.get(p) is None or
+                       (holder not in beats[p].paused_for and beats[p].status not in ("stopped", "failed"))]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                self.control.unpause(holder)
+                raise TimeoutError(f"rollout producers {waiting} did not pause for {holder} within {timeout:.0f} s "
+                                   f"(their heartbeats: {self.control.url}producers/)")
+            time.sleep(0.05)
+
+    def resume(self, holder: str) -> None:
+        self.control.unpause(holder)
+
+    # ---------------------------------------------------------------------------- metrics
+
+    def metrics(self) -> dict[str, float]:
+        """Fleet throughput and idle share since the last call (from the producers' heartbeats)."""
+        beats = self.monitor.heartbeats()
+        stats = [hb.stats for hb in beats.values() if hb.stats]
+        now = time.monotonic()
+        finished = sum(s.get("samples_finished", 0) for s in stats)
+        idle = sum(s.get("idle_seconds", 0.0) for s in stats)
+        prev = self._seen or (now, finished, idle)
+        self._seen = (now, finished, idle)
+        span = max(now - prev[0], 1e-9)
+        alive = max(len(self.monitor.alive), 1)
+        return {
+            "async/producer_throughput_qps": (finished - prev[1]) / span,
+            "async/producer_idle_fraction": min(1.0, max(0.0, (idle - prev[2]) / span / alive)),
+            "async/in_flight_samples": float(sum(hb.in_engine for hb in beats.values())),
+            "async/weight_updates": float(sum(s.get("weight_updates", 0) for s in stats)),
+            "async/groups_filtered": float(sum(sum(s.get("groups_filtered", {}).values()) for s in stats)),
+            "async/samples_failed": float(sum(s.get("samples_failed", 0) for s in stats)),
+            "async/generation_errors": float(sum(s.get("generation_errors", 0) for s in stats)),
+            "async/producers_alive": float(len(self.monitor.alive)),
+            "async/producer_deaths": float(len(self.deaths)),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Which producer wrote what (for summary.json)."""
+        beats = self.control.heartbeats()
+        return {p: {"status": hb.status, "host": hb.host, "pid": hb.pid, "flow_run_id": hb.flow_run_id,
+                    "groups_written": hb.stats.get("groups_written", 0),
+                    "segments_written": hb.stats.get("segments_written", 0), "stream": self.stream(p).uri,
+                    "fenced_at": self.monitor.fences.get(p), "error": hb.error}
+                for p, hb in sorted(beats.items())}

@@ -1,0 +1,263 @@
+"""One rollout producer of a fleet, built from (config, run folder, producer id) alone.
+
+- ``run_fleet_producer(cfg, refs, producer_id)``: builds its own engine, tokenizer and reward (a
+  ``RunSession`` of this process, in no registry), claims prompts from the run's prompt log,
+  writes ``samples/rollout-<id>/``, heartbeats to ``fleet/producers/<id>.json``, and runs until the
+  run folder says stop (or ``cancel`` is set, or the process that launched it is gone). On its
+  way out it gives back the prompts it claimed and never started; on failure its heartbeat says
+  ``failed`` with the error and its traceback, which the trainer reports.
+- ``ProducerLink``: what ``RolloutProducer`` polls (``control_poll_s``): stop, pause, fence; it
+  also writes the heartbeat (every ``producer_heartbeat_s``) and sums the other producers'
+  outstanding groups for back-pressure.
+- ``ClaimedPrompts``: the producer's prompt supply, ``prompt_claim_size`` prompts per claim.
+- ``SubprocessLauncher``: the laptop default: each producer is ``python -m miles_core.rollout.worker``,
+  a child process of the trainer's, given its config on stdin (secrets never touch disk or argv).
+  ``flows/fleet.py`` has the other launcher, flow runs of a deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, ProducerFenced, stream_name
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
+    from miles_core.rollout.generate import PromptItem
+    from miles_core.rollout.producer import RolloutProducer
+    from miles_core.run import RunRefs
+
+
+class ClaimedPrompts:
+    """A fleet member's prompts: blocks claimed from the run's prompt log, each prompt with its
+    group index (unique across the fleet). ``push_back`` (a recycled prompt) releases to the log."""
+
+    def __init__(self, log: PromptLog, producer: str, render, block: int) -> None:
+        self.log, self.producer, self.render, self.block = log, producer, render, block
+        self._queue: deque[tuple[PromptItem, int]] = deque()
+        self.claims = 0
+
+    def take(self) -> tuple[PromptItem, int]:
+        if not self._queue:
+            claim = self.log.claim(self.producer, self.block)
+            self.claims += 1
+            items = self.render(claim.rows)
+            self._queue.extend((item, claim.group_index(i)) for i, item in enumerate(items))
+        return self._queue.popleft()
+
+    def next(self) -> PromptItem:
+        return self.take()[0]
+
+    def push_back(self, prompt_indices: list[int]) -> None:
+        self.log.release(prompt_indices, reason="pushed back", producer=self.producer)
+
+    def unstarted(self) -> list[int]:
+        """Rows claimed and not started yet."""
+        return [item.prompt_index for item, _ in self._queue]
+
+    def state(self) -> dict[str, Any]:
+        return {"claims": self.claims, "queued": len(self._queue)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Nothing to load: the prompt log is the cursor."""
+
+
+@dataclass
+class Signal:
+    stop: bool = False
+    pause_holders: list[str] = field(default_factory=list)
+
+
+class ProducerLink:
+    """A producer's side of the control plane (polled from the producer's loop, on a worker thread)."""
+
+    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, heartbeat_s: float,
+                 cancel: threading.Event | None = None, parent_pid: int | None = None) -> None:
+        self.control, self.hb, self.heartbeat_s = control, heartbeat, heartbeat_s
+        self.cancel = cancel or threading.Event()
+        self.parent_pid = parent_pid
+        """Stop when this process is no longer our parent (the trainer died without stopping us)."""
+        self._beat_at = 0.0
+        self._others_at = 0.0
+
+    def poll(self, producer: RolloutProducer, beat_now: bool = False) -> Signal:
+        if self.control.fence_of(self.hb.producer) is not None:
+            raise ProducerFenced(f"producer {self.hb.producer} was declared dead by the trainer "
+                                 f"({self.control.url}control/fence/{self.hb.producer}.json); stopping")
+        stop = self.cancel.is_set() or self.control.stop_requested()
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            stop = True
+        holders = self.control.pause_holders()
+        now = time.monotonic()
+        if beat_now or now - self._beat_at >= self.heartbeat_s:
+            self.beat(**producer.heartbeat_fields())
+            self._beat_at = now
+            producer.others_outstanding = self._others_outstanding()
+        return Signal(stop, holders)
+
+    def beat(self, **fields: Any) -> None:
+        for key, value in fields.items():
+            setattr(self.hb, key, value)
+        self.control.beat(self.hb)
+
+    def _others_outstanding(self) -> int:
+        """Groups the other live producers hold ahead of the trainer, by their last heartbeats."""
+        return sum(hb.outstanding for name, hb in self.control.heartbeats().items()
+                   if name != self.hb.producer and hb.status in ("running", "paused"))
+
+
+def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cancel: threading.Event | None = None,
+                       flow_run_id: str | None = None, parent_pid: int | None = None, log=print) -> dict[str, Any]:
+    """Run producer ``producer_id`` of the run until the run folder says stop; returns its stats."""
+    from miles_core.rollout.producer import RolloutProducer
+    from miles_core.run import RunSession
+
+    a = cfg.async_rollout
+    opts = cfg.storage.storage_options
+    control = ControlPlane(refs.run_dir, opts)
+    link = ProducerLink(control, Heartbeat(producer_id, "starting", flow_run_id=flow_run_id), a.producer_heartbeat_s,
+                        cancel, parent_pid)
+    link.beat()
+    session = RunSession(cfg, refs)
+    prompts = None
+    try:
+        source = session.source
+        prompt_log = PromptLog(refs.run_dir, opts, draw=source.draw)
+        prompts = ClaimedPrompts(prompt_log, producer_id, session.render_rows, a.prompt_claim_size)
+        stream = session.stream.sibling(stream_name(producer_id))
+        producer = RolloutProducer(
+            cfg, session.engine, prompts, session.score, stream, session.layout, session.weights,
+            replace(session.sampling, seed=cfg.seed * 1_000_003), custom_generate=session.custom_generate,
+            tokenizer=session.tokenizer, link=link, state_file=f"state/producer-{producer_id}.json",
+        )
+        log(f"producer {producer_id}: writing {stream.uri} (engine at weights v{session.engine.weight_version})")
+        stats = _run_until_stopped(session, producer, link)
+        released = prompt_log.release(prompts.unstarted() + producer.abandoned_prompts,
+                                      reason=f"producer {producer_id} stopped", producer=producer_id)
+        link.beat(status="stopped", stats=asdict(stats), outstanding=0, in_engine=0)
+        log(f"producer {producer_id}: stopped after {stats.groups_written} groups in {stats.segments_written} "
+            f"segments; {len(released.rows) if released else 0} claimed prompts given back")
+        return asdict(stats)
+    except BaseException as e:
+        link.beat(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
+                  outstanding=0, in_engine=0)
+        raise
+    finally:
+        session.close()
+
+
+def _run_until_stopped(session, producer: RolloutProducer, link: ProducerLink):
+    """Run the producer on the session's loop; an interruption of this thread (Ctrl-C, a Prefect
+    cancellation) stops it cleanly (whole segments only) before it propagates."""
+    import asyncio
+
+    session.engine  # noqa: B018 (builds the loop with the engine)
+    future = asyncio.run_coroutine_threadsafe(producer.run(), session.loop)
+    try:
+        return future.result()
+    except BaseException:
+        link.cancel.set()
+        producer.request_stop()
+        try:
+            future.result(timeout=20)
+        except BaseException:  # noqa: BLE001 (the interruption is what propagates)
+            pass
+        raise
+
+
+# ------------------------------------------------------------------------------------- launchers
+
+
+class SubprocessLauncher:
+    """Producers as child processes of this one (``python -m miles_core.rollout.worker``)."""
+
+    def __init__(self, cfg: RunConfig, refs: RunRefs, log=print) -> None:
+        self.cfg, self.refs, self.log = cfg, refs, log
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def launch(self, producer: str) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        cmd = [sys.executable, "-m", "miles_core.rollout.worker", "--producer-id", producer,
+               "--run-id", self.refs.run_id, "--run-dir", self.refs.run_dir, "--model-dir", self.refs.model_dir,
+               "--parent-pid", str(os.getpid())]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True)
+        proc.stdin.write(self.cfg.model_dump_json())  # the whole config, storage credentials too: never on disk
+        proc.stdin.close()
+        self.procs[producer] = proc
+        self.log(f"launched rollout producer {producer}: process {proc.pid}")
+
+    def ended(self, producer: str) -> str | None:
+        proc = self.procs.get(producer)
+        if proc is None or proc.poll() is None:
+            return None
+        code = proc.returncode
+        return f"its process {proc.pid} exited with code {code}" if code >= 0 else \
+            f"its process {proc.pid} was killed by signal {signal.Signals(-code).name}"
+
+    def stop(self, producer: str, timeout: float = 10.0) -> None:
+        """Make sure it is gone: SIGTERM (it stops cleanly), then SIGKILL after ``timeout``."""
+        proc = self.procs.get(producer)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def wait(self, producer: str, timeout: float) -> bool:
+        proc = self.procs.get(producer)
+        if proc is None:
+            return True
+        try:
+            proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The subprocess entry point: the config as JSON on stdin, the run's references as flags."""
+    parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.worker")
+    parser.add_argument("--producer-id", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--parent-pid", type=int)
+    args = parser.parse_args(argv)
+    from miles_core.config import RunConfig
+    from miles_core.run import RunRefs
+
+    cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
+    refs = RunRefs(args.run_id, args.run_dir, args.model_dir)
+    cancel = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: whole segments, heartbeat "stopped"
+        signal.signal(sig, lambda *_: cancel.set())
+    name = f"producer {args.producer_id}"
+    try:
+        run_fleet_producer(cfg, refs, args.producer_id, cancel=cancel, parent_pid=args.parent_pid,
+                           log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ProducerFenced as e:
+        print(f"{name}: {e}", file=sys.stderr, flush=True)
+        return 3
+    except BaseException as e:  # noqa: BLE001 (the heartbeat has the traceback; say it here too)
+        print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
