@@ -7,6 +7,8 @@ and flags, as ``miles train``):
 - ``train/sync``, ``train/async``, ``train/fully-async``: a training run in that mode;
 - ``train-multi-lora/multi-lora``: N adapters over one rollout stream (its default config is
   ``configs/multi-lora-toy.toml`` unless the given config has a ``multi_lora`` section);
+- ``rollout/fleet``: one rollout producer of a fully-async run (``--rollout-deployment rollout/fleet``
+  launches the run's producers as flow runs of it);
 - ``evaluate-run/on-demand``: evaluate a run folder's newest (or a given) version;
 - ``evaluate-run/scheduled`` (with ``--eval-runs PATH`` and ``--eval-cron`` or ``--eval-every-s``):
   the same on a schedule, over ``PATH``: a run folder, or ``<storage.root>/<name>`` for the newest
@@ -47,6 +49,7 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     """The project's deployments (``RunnerDeployment`` objects), their defaults taken from ``cfg``."""
     from flows.evaluate import evaluate_run
     from flows.multi_lora import train_multi_lora
+    from flows.rollout import rollout
     from flows.train import train
 
     out = []
@@ -60,6 +63,11 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     out.append(train_multi_lora.to_deployment(
         name="multi-lora", parameters={"cfg": multi.model_dump(mode="json")}, tags=["train", "multi-lora"],
         description="N LoRA adapters trained over one rollout stream.",
+    ))
+    out.append(rollout.to_deployment(
+        name="fleet", tags=["rollout"],
+        description="One rollout producer of a fully-async run (launched by the run: --rollout-deployment "
+                    "rollout/fleet; or started by hand to join one).",
     ))
     out.append(evaluate_run.to_deployment(
         name="on-demand", tags=["eval"], description="Evaluate a run folder's newest (or a given) version.",

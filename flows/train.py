@@ -192,8 +192,11 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
             t = train_from_stream(cfg, refs, step)
             row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
             yield step, _with_idle(row), None
-    finally:
-        stop_producers(cfg, refs)
+    except BaseException:  # cancelled, interrupted or failed: the producers are cancelled too, now
+        if session.fleet is not None:
+            session.fleet.cancel()
+        raise
+    stop_producers(cfg, refs)
 
 
 def _with_idle(row: dict[str, Any]) -> dict[str, Any]:

@@ -652,7 +652,7 @@ class RunSession:
 
     def close(self) -> None:
         if self.fleet is not None:  # a run that ends by an error: its producers must not outlive it
-            self.fleet.stop(timeout=20)
+            self.fleet.cancel()
         if "_feed" in self.__dict__:
             self._feed.close()
         if "eval_engine" in self.__dict__:

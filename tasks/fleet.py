@@ -56,23 +56,44 @@ class DeploymentLauncher:
         return f"its flow run {self.runs[producer]} is {state.type.value}" + (f": {state.message}" if state.message else "")
 
     def stop(self, producer: str, timeout: float = 10.0) -> None:
-        """Cancel its flow run unless it already ended (its runner stops it: CANCELLED)."""
+        """Wait for its flow run to end; cancel it if it does not within ``timeout``."""
         import time
 
+        if producer not in self.runs:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # a producer asked to stop completes by itself
+            state = self._state(producer)
+            if state is not None and state.is_final():
+                return
+            time.sleep(0.2)
+        self.cancel(producer)
+
+    def cancel(self, producer: str) -> None:
+        """Cancel its flow run (its worker or runner stops it: CANCELLED), unless it already ended."""
         from prefect.client.orchestration import get_client
         from prefect.states import Cancelling
 
         if producer not in self.runs:
             return
+        state = self._state(producer)
+        if state is not None and (state.is_final() or state.type.value == "CANCELLING"):
+            return
         with get_client(sync_client=True) as client:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:  # a producer asked to stop completes by itself
-                state = client.read_flow_run(self.runs[producer]).state
-                if state is not None and state.is_final():
-                    return
-                time.sleep(0.2)
-            client.set_flow_run_state(self.runs[producer], Cancelling(message="the training run stopped it"),
+            client.set_flow_run_state(self.runs[producer], Cancelling(message="the training run cancelled it"),
                                       force=True)
+
+
+def _warn(message: str) -> None:
+    """A fleet warning, in the log of the task or flow run that noticed it (later train steps)."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+
+    try:
+        get_run_logger().warning(message)
+    except MissingContextError:
+        logging.getLogger("miles.fleet").warning(message)
 
 
 @task(name="launch-producers", cache_policy=NO_CACHE, task_run_name="launch-producers")
@@ -86,7 +107,7 @@ def launch_producers(cfg: RunConfig, refs: RunRefs) -> list[str]:
         launcher = DeploymentLauncher(a.rollout_deployment, cfg, refs, log=log.info)
     else:
         launcher = SubprocessLauncher(cfg, refs, log=log.info)
-    fleet = get_session(cfg, refs).start_fleet(launcher, warn=log.warning)
+    fleet = get_session(cfg, refs).start_fleet(launcher, warn=_warn)
     return fleet.monitor.producers()
 
 

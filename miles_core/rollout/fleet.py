@@ -316,6 +316,10 @@ class ControlPlane:
         self.files.write(f"control/fence/{check_name('producer', producer)}.json",
                          {"last_offset": last_offset, "reason": reason, "at": time.time()})
 
+    def fenced(self) -> set[str]:
+        """The producers declared dead."""
+        return {n[:-5] for n in self.files.names("control/fence") if n.endswith(".json") and not n.startswith(".")}
+
     def fence_of(self, producer: str) -> int | None:
         """The last offset of ``producer``'s stream the trainer reads, if it was fenced."""
         obj = self.files.read(f"control/fence/{producer}.json")
@@ -352,8 +356,10 @@ class FleetMonitor:
 
     def __init__(self, control: ControlPlane, log: PromptLog, written: Callable[[str, int], set[int]],
                  heartbeat_timeout_s: float, start_timeout_s: float = 300.0, poll_s: float = 0.5,
-                 ended: Callable[[str], str | None] = lambda producer: None) -> None:
+                 ended: Callable[[str], str | None] = lambda producer: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.control, self.log = control, log
+        self.clock = clock
         self.written = written
         """``written(producer, last_offset)``: group indices in that producer's segments up to the offset."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -366,7 +372,7 @@ class FleetMonitor:
         self._polled_at = 0.0
 
     def watch(self, producer: str) -> None:
-        self.watched.setdefault(producer, _Watched(producer, time.monotonic()))
+        self.watched.setdefault(producer, _Watched(producer, self.clock()))
 
     @property
     def alive(self) -> list[str]:
@@ -380,7 +386,7 @@ class FleetMonitor:
         return {p: w.last for p, w in self.watched.items() if w.last is not None}
 
     def poll(self, force: bool = False, last_offset: Callable[[str], int] = lambda p: -1) -> list[_Watched]:
-        now = time.monotonic()
+        now = self.clock()
         if not force and now - self._polled_at < self.poll_s:
             return []
         self._polled_at = now

@@ -12,9 +12,10 @@ through the run folder only (``rollout/fleet.py``) and a launcher.
 - ``pause(holder)`` / ``resume(holder)``: an evaluation borrows the engines; ``pause`` returns once
   every live producer says it has nothing in its engine;
 - ``stop()``: ``control/stop.json``, wait for every producer to say ``stopped``, then the launcher
-  makes sure each is gone.
+  makes sure each is gone; ``cancel()`` (the run was cancelled or failed) cancels them at once.
 
-A launcher has ``launch(producer)``, ``ended(producer) -> reason | None`` and ``stop(producer, timeout)``:
+A launcher has ``launch(producer)``, ``ended(producer) -> reason | None``, ``stop(producer, timeout)``
+(make sure it is gone, after it was asked to stop) and ``cancel(producer)`` (now):
 ``worker.SubprocessLauncher`` (child processes) or ``flows/fleet.DeploymentLauncher`` (flow runs of
 a deployment, children of the training run).
 """
@@ -39,6 +40,8 @@ class Launcher(Protocol):
     def ended(self, producer: str) -> str | None: ...
 
     def stop(self, producer: str, timeout: float = 10.0) -> None: ...
+
+    def cancel(self, producer: str) -> None: ...
 
 
 class Fleet:
@@ -109,6 +112,18 @@ class Fleet:
             self.warn(f"rollout producers {waiting} did not stop within {timeout:.0f} s; stopping them")
         for producer in self.monitor.producers():
             self.launcher.stop(producer, timeout=10)
+
+    def cancel(self, timeout: float = 10.0) -> None:
+        """The training run was cancelled or failed: cancel every producer now (a flow run ends
+        CANCELLED, a child process gets SIGTERM); each still stops cleanly, whole segments only."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.control.request_stop("the training run was cancelled")
+        for producer in self.monitor.producers():
+            self.launcher.cancel(producer)
+        for producer in self.monitor.producers():
+            self.launcher.stop(producer, timeout=timeout)
 
     # -------------------------------------------------------------------------- the trainer reads
 

@@ -82,19 +82,19 @@ class Signal:
 class ProducerLink:
     """A producer's side of the control plane (polled from the producer's loop, on a worker thread)."""
 
-    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, heartbeat_s: float,
+    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, heartbeat_s: float, timeout_s: float = 10.0,
                  cancel: threading.Event | None = None, parent_pid: int | None = None) -> None:
-        self.control, self.hb, self.heartbeat_s = control, heartbeat, heartbeat_s
+        self.control, self.hb, self.heartbeat_s, self.timeout_s = control, heartbeat, heartbeat_s, timeout_s
         self.cancel = cancel or threading.Event()
         self.parent_pid = parent_pid
         """Stop when this process is no longer our parent (the trainer died without stopping us)."""
         self._beat_at = 0.0
-        self._others_at = 0.0
+        self._lock = threading.Lock()  # the starting beat's thread and the producer's loop
 
     def poll(self, producer: RolloutProducer, beat_now: bool = False) -> Signal:
         if self.control.fence_of(self.hb.producer) is not None:
             raise ProducerFenced(f"producer {self.hb.producer} was declared dead by the trainer "
-                                 f"({self.control.url}control/fence/{self.hb.producer}.json); stopping")
+                                 f"({self.control.files.url(f'control/fence/{self.hb.producer}.json')}); stopping")
         stop = self.cancel.is_set() or self.control.stop_requested()
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             stop = True
@@ -107,14 +107,38 @@ class ProducerLink:
         return Signal(stop, holders)
 
     def beat(self, **fields: Any) -> None:
-        for key, value in fields.items():
-            setattr(self.hb, key, value)
-        self.control.beat(self.hb)
+        with self._lock:
+            for key, value in fields.items():
+                setattr(self.hb, key, value)
+            self.control.beat(self.hb)
+
+    def beat_while_starting(self) -> threading.Event:
+        """Beat ``starting`` from a thread until the producer's loop beats by itself (loading an
+        engine can take minutes); set the returned event to end it early."""
+        done = threading.Event()
+
+        def run() -> None:
+            while not done.wait(self.heartbeat_s):
+                with self._lock:
+                    if self.hb.status != "starting":
+                        return
+                try:
+                    self.beat()
+                except Exception:  # noqa: BLE001 (the loop's own beats report storage errors)
+                    return
+
+        threading.Thread(target=run, name=f"heartbeat-{self.hb.producer}", daemon=True).start()
+        return done
 
     def _others_outstanding(self) -> int:
-        """Groups the other live producers hold ahead of the trainer, by their last heartbeats."""
+        """Groups the other live producers hold ahead of the trainer, by their last heartbeats: not
+        those fenced (declared dead) or silent for longer than the trainer waits before it does so
+        (whose groups, written or not, the trainer no longer waits for)."""
+        fenced = self.control.fenced()
+        fresh = time.time() - self.timeout_s
         return sum(hb.outstanding for name, hb in self.control.heartbeats().items()
-                   if name != self.hb.producer and hb.status in ("running", "paused"))
+                   if name != self.hb.producer and name not in fenced and hb.status in ("running", "paused")
+                   and hb.updated_at >= fresh)
 
 
 def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cancel: threading.Event | None = None,
@@ -127,10 +151,10 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
     opts = cfg.storage.storage_options
     control = ControlPlane(refs.run_dir, opts)
     link = ProducerLink(control, Heartbeat(producer_id, "starting", flow_run_id=flow_run_id), a.producer_heartbeat_s,
-                        cancel, parent_pid)
+                        a.producer_heartbeat_timeout_s, cancel, parent_pid)
     link.beat()
+    starting = link.beat_while_starting()
     session = RunSession(cfg, refs)
-    prompts = None
     try:
         source = session.source
         prompt_log = PromptLog(refs.run_dir, opts, draw=source.draw)
@@ -150,6 +174,7 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
             f"segments; {len(released.rows) if released else 0} claimed prompts given back")
         return asdict(stats)
     except BaseException as e:
+        starting.set()
         link.beat(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                   outstanding=0, in_engine=0)
         raise
@@ -216,6 +241,11 @@ class SubprocessLauncher:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+    def cancel(self, producer: str) -> None:
+        proc = self.procs.get(producer)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()  # SIGTERM: it stops cleanly
 
     def wait(self, producer: str, timeout: float) -> bool:
         proc = self.procs.get(producer)

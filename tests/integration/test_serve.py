@@ -144,7 +144,7 @@ def _assert_run_artifacts(flow_run_id, run_dir: str) -> None:
 
 def test_deployments_are_registered_with_the_run_config_form(serving, tiny_model_dir, runs_root):
     for name in ("train/sync", "train/async", "train/fully-async", "train-multi-lora/multi-lora",
-                 "evaluate-run/on-demand", "evaluate-run/scheduled"):
+                 "rollout/fleet", "evaluate-run/on-demand", "evaluate-run/scheduled"):
         assert _deployment(name) is not None, name
     sync = _deployment("train/sync")
     # the parameter is the pydantic RunConfig: the UI renders (and validates) a form from this schema
@@ -230,16 +230,21 @@ def _training_fully_async_run(runs_root: Path, model_dir, name: str):
 
 
 def _assert_stopped_whole(run) -> None:
-    """The producer stopped cleanly and the sample stream holds only whole segments."""
+    """Every producer stopped cleanly and its sample stream holds only whole segments; the run
+    folder says which producer wrote what."""
+    from miles_core.rollout.fleet import ControlPlane, stream_name
     from miles_core.storage import SampleStream
 
     run_dir = Path(run.run_dir)
-    producer = json.loads((run_dir / "state" / "producer.json").read_text())
-    assert producer["status"] == "stopped", producer
-    segments = SampleStream(str(run_dir)).read()  # every visible segment decodes: nothing partial
-    assert segments and sum(len(s) for s in segments) == producer["stats"]["groups_written"] * 4
-    leftovers = [p.name for p in (run_dir / "samples" / "rollout").iterdir() if not p.name.endswith(".arrow")]
-    assert leftovers == [], leftovers
+    beats = ControlPlane(str(run_dir)).heartbeats()
+    assert beats, "no producer heartbeat in the run folder"
+    for producer, beat in beats.items():
+        assert beat.status == "stopped", (producer, beat)
+        segments = SampleStream(str(run_dir), producer=stream_name(producer)).read()  # every one decodes
+        assert segments and sum(len(s) for s in segments) == beat.stats["groups_written"] * 4
+        folder = run_dir / "samples" / stream_name(producer)
+        leftovers = [p.name for p in folder.iterdir() if not p.name.endswith(".arrow")]
+        assert leftovers == [], leftovers
 
 
 def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(serving, tiny_model_dir, runs_root):

@@ -1,0 +1,257 @@
+"""The rollout fleet's control plane in storage: the prompt log (claims exactly once under
+concurrency, releases, reclaiming a dead producer's prompts), heartbeats and their expiry, stop,
+pause and fences, a producer's error reaching the trainer, and the trainer's merge of several
+producers' streams. Local files and memory:// here; the same against moto's S3 in the integration
+tier (tests/integration/test_fleet_s3.py)."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from miles_core.config import AsyncConfig
+from miles_core.rollout.buffer import DefaultDataBuffer
+from miles_core.rollout.consumer import GroupFeed
+from miles_core.rollout.fleet import (
+    GROUP_STRIDE,
+    ControlPlane,
+    FleetMonitor,
+    Heartbeat,
+    PromptLog,
+    stream_name,
+)
+from miles_core.storage import SampleStream
+from miles_core.types import Group, Sample, SampleStatus
+
+
+def counter_draw(size: int):
+    """Rows 0..size-1 per epoch, in order; the cursor is (epoch, position)."""
+
+    def draw(cursor, n):
+        epoch, position = (0, 0) if cursor is None else cursor
+        rows = []
+        for _ in range(n):
+            rows.append(position)
+            position += 1
+            if position == size:
+                epoch, position = epoch + 1, 0
+        return rows, [epoch, position]
+
+    return draw
+
+
+@pytest.fixture(params=["file", "memory"])
+def run_dir(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "run")
+    return f"memory://fleet-{uuid.uuid4().hex[:8]}/run"
+
+
+def test_claims_take_the_data_in_order_and_number_groups_uniquely(run_dir):
+    log = PromptLog(run_dir, draw=counter_draw(10))
+    a = log.claim("p0", 4)
+    b = log.claim("p1", 4)
+    c = log.claim("p0", 4)
+    assert (a.rows, b.rows, c.rows) == ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1])  # crosses into epoch 1
+    assert c.cursor == [1, 2]
+    assert a.group_index(3) == 3 and b.group_index(0) == GROUP_STRIDE and c.group_index(1) == 2 * GROUP_STRIDE + 1
+    # a second log object (another process) sees the same entries, and continues after them
+    other = PromptLog(run_dir, draw=counter_draw(10))
+    assert [e.rows for e in other.entries()] == [a.rows, b.rows, c.rows]
+    assert other.claim("p2", 2).rows == [2, 3]
+
+
+def test_concurrent_claimers_never_take_the_same_prompt_and_skip_none(run_dir):
+    """Eight claimers (each its own log object, as eight producers would be) race for 400 prompts."""
+    size, per_claim, claims_each, claimers = 1000, 5, 10, 8
+
+    def claimer(k: int) -> list[tuple[int, list[int]]]:
+        log = PromptLog(run_dir, draw=counter_draw(size))
+        return [(c.seq, c.rows) for c in (log.claim(f"p{k}", per_claim) for _ in range(claims_each))]
+
+    with ThreadPoolExecutor(claimers) as pool:
+        results = [r for batch in pool.map(claimer, range(claimers)) for r in batch]
+    rows = [row for _, rs in results for row in rs]
+    assert sorted(rows) == list(range(claimers * claims_each * per_claim))  # every prompt once, none skipped
+    assert sorted(seq for seq, _ in results) == list(range(claimers * claims_each))  # one entry per seq
+
+
+def test_released_rows_are_claimed_again_first_exactly_once(run_dir):
+    log = PromptLog(run_dir, draw=counter_draw(100))
+    log.claim("p0", 3)  # 0 1 2
+    log.release([1, 2], reason="producer p0 died", producer="p0")
+    racers = [PromptLog(run_dir, draw=counter_draw(100)) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        claims = list(pool.map(lambda lg: lg.claim("px", 1), racers))
+    taken = sorted(r for c in claims for r in c.rows)
+    assert taken == [1, 2, 3, 4], "the released rows go first, once each; then new data"
+    assert log.entries()[1].kind == "release" and log.entries()[1].reason == "producer p0 died"
+
+
+def test_a_log_entry_is_never_overwritten_and_stray_files_are_ignored(tmp_path):
+    run_dir = str(tmp_path / "run")
+    log = PromptLog(run_dir, draw=counter_draw(10))
+    log.claim("p0", 2)
+    (tmp_path / "run" / "fleet" / "claims" / ".000000001.json.tmp-abcd").write_text("{partial")
+    second = PromptLog(run_dir, draw=counter_draw(10)).claim("p1", 2)
+    assert second.seq == 1 and second.rows == [2, 3]
+
+
+# ------------------------------------------------------------------------------- control plane
+
+
+def test_stop_pause_and_fence_travel_through_storage(run_dir):
+    trainer, producer = ControlPlane(run_dir), ControlPlane(run_dir)
+    assert not producer.stop_requested() and producer.pause_holders() == [] and producer.fence_of("p0") is None
+    trainer.pause("eval-step-4")
+    assert producer.pause_holders() == ["eval-step-4"]
+    trainer.unpause("eval-step-4")
+    assert producer.pause_holders() == []
+    trainer.request_stop("done")
+    assert producer.stop_requested()
+    trainer.fence("p1", 6, "no heartbeat")
+    assert producer.fence_of("p1") == 6 and producer.fence_of("p0") is None
+
+
+def test_heartbeats_count_up_and_read_back(run_dir):
+    control = ControlPlane(run_dir)
+    hb = Heartbeat("p0", "running", weight_version=3, outstanding=5)
+    control.beat(hb)
+    control.beat(hb)
+    back = ControlPlane(run_dir).heartbeat("p0")
+    assert back.beat == 2 and back.weight_version == 3 and back.outstanding == 5 and back.pid > 0
+
+
+class Clock:
+    """A monotonic clock the test moves by hand (no sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _monitor(run_dir, log, clock, written=lambda p, o: set(), timeout=10.0, ended=lambda p: None):
+    return FleetMonitor(ControlPlane(run_dir), log, written, heartbeat_timeout_s=timeout, start_timeout_s=30,
+                        poll_s=0.0, ended=ended, clock=clock)
+
+
+def test_a_silent_producer_is_dead_after_the_timeout_and_its_unwritten_prompts_go_back(run_dir):
+    clock = Clock()
+    log = PromptLog(run_dir, draw=counter_draw(100))
+    p0 = log.claim("p0", 4)  # rows 0-3, groups 0-3
+    log.claim("p1", 4)
+    monitor = _monitor(run_dir, log, clock, written=lambda p, o: {p0.group_index(0), p0.group_index(2)})
+    control = ControlPlane(run_dir)
+    for name in ("p0", "p1"):
+        monitor.watch(name)
+    hb0, hb1 = Heartbeat("p0", "running"), Heartbeat("p1", "running")
+    control.beat(hb0), control.beat(hb1)
+    assert monitor.poll() == []
+    clock.now += 6
+    control.beat(hb1)  # p1 keeps beating, p0 goes quiet
+    assert monitor.poll() == []
+    clock.now += 6  # p0 silent for 12 s > 10 s
+    control.beat(hb1)
+    [dead] = monitor.poll(last_offset=lambda p: 4)
+    assert dead.producer == "p0" and "no heartbeat for 12.0 s" in dead.dead
+    assert monitor.alive == ["p1"] and monitor.fences == {"p0": 4} and control.fence_of("p0") == 4
+    release = log.entries()[-1]
+    assert release.kind == "release" and release.rows == [1, 3], "written groups are not generated again"
+    assert PromptLog(run_dir, draw=counter_draw(100)).claim("p1", 3).rows == [1, 3, 8]
+
+
+def test_a_producer_that_wrote_failed_is_dead_with_its_traceback(run_dir):
+    clock = Clock()
+    log = PromptLog(run_dir, draw=counter_draw(10))
+    monitor = _monitor(run_dir, log, clock)
+    monitor.watch("p0")
+    try:
+        raise ValueError("the reward server said 502")
+    except ValueError:
+        import traceback
+
+        tb = traceback.format_exc()
+    ControlPlane(run_dir).beat(Heartbeat("p0", "failed", error="ValueError: the reward server said 502", traceback=tb))
+    [dead] = monitor.poll()
+    text = monitor.describe(dead)
+    assert "rollout producer p0 died: it failed: ValueError: the reward server said 502" in text
+    assert 'raise ValueError("the reward server said 502")' in text  # the traceback travels with it
+
+
+def test_a_producer_the_launcher_reports_ended_is_dead_without_waiting_for_its_heartbeat(run_dir):
+    clock = Clock()
+    ended = {"p0": None}
+    monitor = _monitor(run_dir, PromptLog(run_dir), clock, ended=lambda p: ended.get(p))
+    monitor.watch("p0")
+    ControlPlane(run_dir).beat(Heartbeat("p0", "running"))
+    assert monitor.poll() == []
+    ended["p0"] = "its process 123 was killed by signal SIGKILL"
+    [dead] = monitor.poll()
+    assert dead.dead == "its process 123 was killed by signal SIGKILL"
+
+
+def test_a_producer_that_never_beats_is_dead_after_the_start_timeout_and_a_new_one_joins(run_dir):
+    clock = Clock()
+    monitor = _monitor(run_dir, PromptLog(run_dir), clock)
+    monitor.watch("p0")
+    clock.now += 29
+    assert monitor.poll() == []
+    ControlPlane(run_dir).beat(Heartbeat("p7", "running"))  # started by hand: it joins
+    clock.now += 2
+    [dead] = monitor.poll()
+    assert dead.producer == "p0" and "no heartbeat 31 s after launch" in dead.dead
+    assert monitor.alive == ["p7"] and monitor.producers() == ["p0", "p7"]
+
+
+# ---------------------------------------------------------------------------------- the merge
+
+
+def _group(index: int, n: int = 2) -> Group:
+    return Group([Sample(prompt=f"p{index}", prompt_ids=[1], response_ids=[2, 3], response="x", label="",
+                         reward=float(j), loss_mask=[1, 1], rollout_logprobs=[-0.1, -0.2], span_starts=[0],
+                         span_versions=[0], submit_version=0, status=SampleStatus.COMPLETED, group_index=index,
+                         sample_index=j, prompt_index=index) for j in range(n)])
+
+
+def test_the_trainer_merges_producer_streams_in_a_fixed_order_with_a_cursor_each(tmp_path):
+    run_dir = str(tmp_path / "run")
+    base = SampleStream(run_dir)
+    streams = {p: base.sibling(stream_name(p)) for p in ("p0", "p1")}
+    streams["p1"].append([_group(GROUP_STRIDE + 0), _group(GROUP_STRIDE + 1)])
+    streams["p0"].append([_group(0)])
+    streams["p0"].append([_group(1), _group(2)])
+    cfg = AsyncConfig()
+    fences = {"p0": None, "p1": None}
+
+    def feed():
+        return GroupFeed(base, DefaultDataBuffer(cfg, capacity=64, first_version=0), cfg,
+                         streams=lambda: [(streams[p], fences[p]) for p in sorted(streams)])
+
+    first = feed()
+    batch = first.next_batch(3, 0)
+    # p0's segments in offset order, then p1's: the same groups whatever order they were written in
+    assert [g.group_index for g in batch.groups] == [0, 1, 2]
+    first.commit()
+    assert streams["p0"].reader("trainer").cursor == 1 and streams["p1"].reader("trainer").cursor == -1
+    # a restarted trainer reads each stream from its own durable cursor
+    again = feed()
+    assert [g.group_index for g in again.next_batch(2, 0).groups] == [GROUP_STRIDE, GROUP_STRIDE + 1]
+
+
+def test_a_fenced_stream_is_read_up_to_its_fence_only(tmp_path):
+    run_dir = str(tmp_path / "run")
+    base = SampleStream(run_dir)
+    s0 = base.sibling(stream_name("p0"))
+    s0.append([_group(0)])
+    s0.append([_group(1)])  # written by a producer the trainer had declared dead at offset 0
+    cfg = AsyncConfig()
+    feed = GroupFeed(base, DefaultDataBuffer(cfg, capacity=64, first_version=0), cfg,
+                     streams=lambda: [(s0, 0)], poll_s=0.001)
+    assert [g.group_index for g in feed.next_batch(1, 0).groups] == [0]
+    polls: list[int] = []
+    more = feed.next_batch(1, 0, stop=lambda: polls.append(1) or len(polls) > 5)
+    assert more.groups == [] and len(polls) > 5, "offset 1 is past the fence: never read"
