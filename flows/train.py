@@ -271,7 +271,10 @@ def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str
         return next((e for e in session.eval_rows if e["step"] == 0), None)
     if cfg.eval.skip_eval_before_train:
         return None
-    before = evaluate(cfg, refs, 0)
+    if cfg.mode == "fully_async" and cfg.eval.engine == "separate":  # the trainer's process has no rollout engine
+        before = evaluate_version(cfg, refs, 0, 0)
+    else:
+        before = evaluate(cfg, refs, 0)
     log.info(_eval_line("before training", before))
     return before
 

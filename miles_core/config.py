@@ -220,6 +220,9 @@ class AsyncConfig(_Base):
     """fully_async: launch each producer as a flow run of this deployment (e.g. ``rollout/fleet``, on
     an inference work pool): children of the training run. None: a subprocess of the trainer's
     process on this machine."""
+    producer_cpu_affinity: list[int] | None = None
+    """fully_async, producers in child processes: the CPU cores they are pinned to (None: those of
+    the trainer's process), so the producers' Python work stays off the trainer's cores."""
     producer_heartbeat_s: float = Field(default=1.0, gt=0)
     """fully_async: how often each producer rewrites its heartbeat in the run folder."""
     producer_heartbeat_timeout_s: float = Field(default=10.0, gt=0)

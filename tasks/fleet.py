@@ -69,6 +69,19 @@ class DeploymentLauncher:
             time.sleep(0.2)
         self.cancel(producer)
 
+    def abandon(self, producer: str, reason: str) -> None:
+        """It was declared dead: its flow run is marked CRASHED with the reason (its worker may be
+        gone with its machine, leaving the run RUNNING forever otherwise)."""
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        state = self._state(producer) if producer in self.runs else None
+        if state is None or state.is_final():
+            return
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(self.runs[producer], Crashed(message=f"declared dead by the training run: {reason}"),
+                                      force=True)
+
     def cancel(self, producer: str) -> None:
         """Cancel its flow run (its worker or runner stops it: CANCELLED), unless it already ended."""
         from prefect.client.orchestration import get_client

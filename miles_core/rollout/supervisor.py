@@ -15,7 +15,8 @@ through the run folder only (``rollout/fleet.py``) and a launcher.
   makes sure each is gone; ``cancel()`` (the run was cancelled or failed) cancels them at once.
 
 A launcher has ``launch(producer)``, ``ended(producer) -> reason | None``, ``stop(producer, timeout)``
-(make sure it is gone, after it was asked to stop) and ``cancel(producer)`` (now):
+(make sure it is gone, after it was asked to stop), ``cancel(producer)`` (now) and
+``abandon(producer, reason)`` (it was declared dead: kill what is left of it, mark it crashed):
 ``worker.SubprocessLauncher`` (child processes) or ``flows/fleet.DeploymentLauncher`` (flow runs of
 a deployment, children of the training run).
 """
@@ -42,6 +43,8 @@ class Launcher(Protocol):
     def stop(self, producer: str, timeout: float = 10.0) -> None: ...
 
     def cancel(self, producer: str) -> None: ...
+
+    def abandon(self, producer: str, reason: str) -> None: ...
 
 
 class Fleet:
@@ -85,10 +88,11 @@ class Fleet:
             text = self.monitor.describe(w)
             released = getattr(w, "released", 0)
             if self.restarts_left <= 0:
+                self.launcher.abandon(w.producer, w.dead or "declared dead")
                 limit = self.cfg.async_rollout.producer_restarts
                 raise ProducerFailed(f"{text}\n(no restart left: --producer-restarts {limit} used up)")
             self.restarts_left -= 1
-            self.launcher.stop(w.producer, timeout=5)
+            self.launcher.abandon(w.producer, w.dead or "declared dead")
             replacement = self._launch()
             self.warn(f"{text.splitlines()[0]}; {released} of its claimed prompts went back to the pool; "
                       f"launched {replacement} in its place ({self.restarts_left} restart(s) left)")
@@ -119,11 +123,12 @@ class Fleet:
         if self._stopped:
             return
         self._stopped = True
-        self.control.request_stop("the training run was cancelled")
-        for producer in self.monitor.producers():
+        for producer in self.monitor.alive:
             self.launcher.cancel(producer)
-        for producer in self.monitor.producers():
-            self.launcher.stop(producer, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for producer in self.monitor.alive:
+            self.launcher.stop(producer, timeout=max(0.0, deadline - time.monotonic()))
+        self.control.request_stop("the training run was cancelled")  # one no signal reached stops by itself
 
     # -------------------------------------------------------------------------- the trainer reads
 

@@ -166,19 +166,30 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
             tokenizer=session.tokenizer, link=link, state_file=f"state/producer-{producer_id}.json",
         )
         log(f"producer {producer_id}: writing {stream.uri} (engine at weights v{session.engine.weight_version})")
-        stats = _run_until_stopped(session, producer, link)
-        released = prompt_log.release(prompts.unstarted() + producer.abandoned_prompts,
-                                      reason=f"producer {producer_id} stopped", producer=producer_id)
-        link.beat(status="stopped", stats=asdict(stats), outstanding=0, in_engine=0)
-        log(f"producer {producer_id}: stopped after {stats.groups_written} groups in {stats.segments_written} "
-            f"segments; {len(released.rows) if released else 0} claimed prompts given back")
-        return asdict(stats)
-    except BaseException as e:
+
+        def stopped(stats, why: str) -> dict[str, Any]:
+            """Give back what was claimed and never started, say ``stopped``."""
+            released = prompt_log.release(prompts.unstarted() + producer.abandoned_prompts,
+                                          reason=f"producer {producer_id} {why}", producer=producer_id)
+            link.beat(status="stopped", stats=asdict(stats), outstanding=0, in_engine=0)
+            log(f"producer {producer_id}: {why} after {stats.groups_written} groups in {stats.segments_written} "
+                f"segments; {len(released.rows) if released else 0} claimed prompts given back")
+            return asdict(stats)
+
+        try:
+            return stopped(_run_until_stopped(session, producer, link), "stopped")
+        except Exception:
+            raise
+        except BaseException:  # cancelled or interrupted: the producer stopped cleanly before this propagates
+            stopped(producer.stats, "cancelled")
+            raise
+    except Exception as e:
         starting.set()
         link.beat(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                   outstanding=0, in_engine=0)
         raise
     finally:
+        starting.set()
         session.close()
 
 
@@ -216,7 +227,9 @@ class SubprocessLauncher:
         cmd = [sys.executable, "-m", "miles_core.rollout.worker", "--producer-id", producer,
                "--run-id", self.refs.run_id, "--run-dir", self.refs.run_dir, "--model-dir", self.refs.model_dir,
                "--parent-pid", str(os.getpid())]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True)
+        cores = self.cfg.async_rollout.producer_cpu_affinity
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True, preexec_fn=pin)
         proc.stdin.write(self.cfg.model_dump_json())  # the whole config, storage credentials too: never on disk
         proc.stdin.close()
         self.procs[producer] = proc
@@ -240,6 +253,12 @@ class SubprocessLauncher:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(10)
+
+    def abandon(self, producer: str, reason: str) -> None:
+        proc = self.procs.get(producer)
+        if proc is not None and proc.poll() is None:
+            proc.kill()  # a hung producer: its fence stops it counting, this stops it running
             proc.wait(10)
 
     def cancel(self, producer: str) -> None:

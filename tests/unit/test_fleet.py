@@ -2,7 +2,7 @@
 concurrency, releases, reclaiming a dead producer's prompts), heartbeats and their expiry, stop,
 pause and fences, a producer's error reaching the trainer, and the trainer's merge of several
 producers' streams. Local files and memory:// here; the same against moto's S3 in the integration
-tier (tests/integration/test_fleet_s3.py)."""
+tier (tests/integration/test_fleet_workers.py runs a fleet through S3; test_prompt_log_on_s3 there races claimers)."""
 
 from __future__ import annotations
 

@@ -19,18 +19,18 @@ from test_modes import _rows, _run_cfg
 pytestmark = pytest.mark.integration
 
 
-def assert_prompts_exactly_once(run_dir: str) -> dict[str, int]:
+def assert_prompts_exactly_once(run_dir: str, storage_options: dict | None = None) -> dict[str, int]:
     """Over the whole run: each claimed prompt was written once (within its producer's fence), or
     went back to the pool and was claimed again; no group was written twice. Returns counts."""
     from miles_core.rollout.fleet import ControlPlane, PromptLog, stream_name
     from miles_core.storage import SampleStream
 
-    control, log = ControlPlane(run_dir), PromptLog(run_dir)
+    control, log = ControlPlane(run_dir, storage_options), PromptLog(run_dir, storage_options)
     entries = log.entries()
     written: dict[int, int] = {}  # group index -> prompt row, over every producer's readable segments
     for producer in control.heartbeats():
         fence = control.fence_of(producer)
-        stream = SampleStream(run_dir, producer=stream_name(producer))
+        stream = SampleStream(run_dir, producer=stream_name(producer), storage_options=storage_options)
         for segment in stream.read():
             if fence is not None and segment.offset > fence:
                 continue  # the trainer never reads past a fence
