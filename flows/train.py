@@ -113,8 +113,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
             before = _before_training(cfg, refs, session, start, log)
             for step, row, r in steps(cfg, refs, session, start):
-                if _due(cfg, step) and cfg.eval.engine == "shared":
-                    row["eval_accuracy"] = _evaluate_now(cfg, refs, session, step + 1)["accuracy"]
+                if _due(cfg, step) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
+                    row["eval_accuracy"] = evaluate(cfg, refs, step + 1)["accuracy"]
                 elif _due(cfg, step):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
                 session.record(step + 1, row)
@@ -246,22 +246,6 @@ class InRunEvals:
         if exc[0] is None:
             for future in self.futures:
                 future.result().result()  # a failed evaluation fails the run with its error
-
-
-def _evaluate_now(cfg: RunConfig, refs: RunRefs, session, step: int) -> dict[str, float]:
-    """``eval.engine = "shared"``: evaluate the trainer's latest weights on the rollout engine. In
-    fully-async mode the producers are paused (through the run folder) while evaluation runs, and
-    the engine is brought to the latest version first."""
-    if cfg.mode != "fully_async":
-        return evaluate(cfg, refs, step)
-    holder = f"eval-step-{step}"
-    session.pause_producer(holder)
-    try:
-        version = session.weights.latest() or 0
-        session.push_weights(session.weights_uri(version), version)
-        return evaluate(cfg, refs, step)
-    finally:
-        session.resume_producer(holder)
 
 
 def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str, float] | None:

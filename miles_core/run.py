@@ -370,8 +370,19 @@ class RunSession:
         return time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Evaluate the rollout engine's current weights on the held-out prompts (in one call)."""
-        return self._evaluate_on(self.engine, step)
+        """Evaluate the rollout engine's current weights on the held-out prompts (in one call). A
+        fully-async run's engine here is the trainer's own: it loads the latest version first, and
+        the fleet's producers pause meanwhile (through the run folder), as if it were theirs."""
+        if self.fleet is None:
+            return self._evaluate_on(self.engine, step)
+        holder = f"eval-step-{step}"
+        self.fleet.pause(holder)
+        try:
+            version = self.weights.latest() or 0
+            self.push_weights(self.weights_uri(version), version)
+            return self._evaluate_on(self.engine, step)
+        finally:
+            self.fleet.resume(holder)
 
     @_built_once
     def eval_engine(self):

@@ -260,6 +260,7 @@ class RolloutProducer:
         version_stamp: Callable[[], dict[str, int]] | None = None,
         link: ProducerLink | None = None,
         state_file: str = STATE_FILE,
+        partial_stream: str = PARTIAL_PRODUCER,
     ) -> None:
         self.cfg, self.acfg = cfg, cfg.async_rollout
         self.engine = engine
@@ -295,6 +296,8 @@ class RolloutProducer:
         from storage, heartbeats to it, the rest of the fleet's groups in back-pressure. None: driven
         in memory (``request_stop``, ``pause``) and alone in its stream."""
         self.state_file = state_file
+        self.partial_stream = partial_stream
+        """The stream unfinished groups are saved to on stop (partial rollout), and resumed from."""
         self.others_outstanding = 0
         """Groups the fleet's other producers hold ahead of the trainer (from their heartbeats)."""
         self._control_at = 0.0
@@ -350,7 +353,7 @@ class RolloutProducer:
         self._load_state()
         self._writer = self.stream.writer(max_pending=2)
         self._recycle = self.stream.sibling(RECYCLE_PRODUCER)
-        self._partial = self.stream.sibling(PARTIAL_PRODUCER)
+        self._partial = self.stream.sibling(self.partial_stream)
         await asyncio.to_thread(self._resume_partial_groups)
         try:
             while not self._stop.is_set():

@@ -164,6 +164,7 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
             cfg, session.engine, prompts, session.score, stream, session.layout, session.weights,
             replace(session.sampling, seed=cfg.seed * 1_000_003), custom_generate=session.custom_generate,
             tokenizer=session.tokenizer, link=link, state_file=f"state/producer-{producer_id}.json",
+            partial_stream=f"partial-{producer_id}",
         )
         log(f"producer {producer_id}: writing {stream.uri} (engine at weights v{session.engine.weight_version})")
 

@@ -96,7 +96,14 @@ def test_lora_run_improves_with_only_the_adapter_changing(
     _assert_bit_identical(seen["engine_base"], original, "engine")
     _assert_bit_identical(seen["eval_engine_base"], original, "evaluation engine")
     # the rollout engine serves the adapter by name; the evaluation engine evaluated the last version
-    assert seen["engine_adapters"] == ["policy"] and seen["eval_engine_version"] == 12
+    assert seen["eval_engine_version"] == 12
+    if mode == "sync":
+        assert seen["engine_adapters"] == ["policy"]
+    else:  # the rollout engine is the producer's, in its own process: it says what it served
+        from miles_core.rollout.fleet import ControlPlane
+
+        beat = ControlPlane(summary["run_dir"]).heartbeat("p0")
+        assert beat.status == "stopped" and beat.weight_version >= 6, beat
 
     # every version is an adapter folder: LoRA weights only, loadable by PEFT as it is
     store = WeightStore(str(Path(summary["run_dir"]) / "weights"))

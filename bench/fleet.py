@@ -1,0 +1,267 @@
+"""Benchmark: a rollout fleet of 1, 2, 4 and 8 producers through S3 (moto's server) feeding one
+trainer of fixed step time, side by side in one invocation.
+
+Run: ``.venv/bin/python bench/fleet.py [--producers 1 2 4 8 --steps 20 --step-s 0.25]``
+
+Each producer is the real fleet member (``RolloutProducer`` with its ``ProducerLink``: prompt
+claims from the run's prompt log, its own segment prefix, heartbeats, stop through storage) on a
+scripted engine of fixed per-token latency (``--token-latency``, ``--tokens``, at most
+``--concurrency`` samples in flight), so that producers wait on the engine rather than compete
+for this machine's two cores. They run on threads of this process; everything between them and
+the trainer goes through the S3 endpoint. The trainer is the real ``Fleet`` + ``GroupFeed`` (it
+merges the producers' streams, one durable cursor each) with a training step of fixed length
+(``--step-s`` of sleep). Per N it prints: produced samples/s (over the measured steps), that
+ratio to N = 1 next to N itself, the trainer's idle fraction (time waiting for data / step), the
+end-to-end sample latency (prompt claimed -> trained on; p50, p95), and the most groups the fleet
+held ahead of the trainer against the buffer bound (``buffer_capacity_factor`` x batch).
+
+Goal (from the issue): production grows at least 0.8 x N until it exceeds consumption; beyond
+that, trainer idle < 5% and the buffer bound holds. Writes ``bench/results/fleet.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the scripted engine (tests/doubles) speaks the engine protocol
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@dataclass
+class Shape:
+    batch: int
+    n: int
+    step_s: float
+    token_latency: float
+    tokens: int
+    concurrency: int
+    capacity_factor: float
+
+
+def _cfg(shape: Shape, producers: int, root: str, opts: dict):
+    from miles_core.config import RunConfig
+
+    return RunConfig.model_validate({
+        "name": "bench-fleet", "mode": "fully_async",
+        "rollout": {"rollout_batch_size": shape.batch, "n_samples_per_prompt": shape.n,
+                    "rollout_max_response_len": shape.tokens},
+        "async_rollout": {"rollout_producers": producers, "max_concurrent_samples": shape.concurrency,
+                          "buffer_capacity_factor": shape.capacity_factor, "segment_max_groups": 8,
+                          "segment_max_wait_s": 0.2, "prompt_claim_size": 8, "producer_heartbeat_s": 0.5,
+                          "control_poll_s": 0.5},
+        "storage": {"root": root, "storage_options": opts},
+    })
+
+
+class ThreadLauncher:
+    """Fleet members on threads of this process, each with its own event loop and engine."""
+
+    def __init__(self, cfg, refs, shape: Shape) -> None:
+        self.cfg, self.refs, self.shape = cfg, refs, shape
+        self.threads: dict[str, threading.Thread] = {}
+        self.cancels: dict[str, threading.Event] = {}
+        self.errors: dict[str, BaseException] = {}
+
+    def launch(self, producer: str) -> None:
+        cancel = threading.Event()
+        self.cancels[producer] = cancel
+        thread = threading.Thread(target=self._run, args=(producer, cancel), name=f"producer-{producer}", daemon=True)
+        self.threads[producer] = thread
+        thread.start()
+
+    def _run(self, producer: str, cancel: threading.Event) -> None:
+        from doubles.scripted_engine import ScriptedEngine
+
+        from miles_core.engines.base import SamplingParams
+        from miles_core.loop import LoopThread
+        from miles_core.rewards import score_groups
+        from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, stream_name
+        from miles_core.rollout.generate import PromptItem
+        from miles_core.rollout.producer import RolloutProducer
+        from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
+        from miles_core.storage import RunLayout, SampleStream
+
+        cfg, refs, shape = self.cfg, self.refs, self.shape
+        opts = cfg.storage.storage_options
+        size = 100_000
+
+        def draw(cursor, n):
+            start = 0 if cursor is None else cursor
+            return [(start + i) % size for i in range(n)], start + n
+
+        def render(rows):
+            now = time.time()
+            return [PromptItem(f"p{r}", [1 + r % 50, 2, 3], str(r), r, {"t_claim": now}) for r in rows]
+
+        async def score(groups):
+            await score_groups(lambda s: float(len(s.response_ids) % 2), groups)
+
+        layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts)
+        stream = SampleStream(refs.run_dir, stream_name(producer), opts)
+        prompts = ClaimedPrompts(PromptLog(refs.run_dir, opts, draw=draw), producer, render,
+                                 cfg.async_rollout.prompt_claim_size)
+        link = ProducerLink(ControlPlane(refs.run_dir, opts), Heartbeat(producer, "starting"), 0.5, 10.0, cancel)
+        loop = LoopThread(f"bench-{producer}")
+        try:
+            engine = ScriptedEngine(token_latency=shape.token_latency, default_tokens=shape.tokens)
+            producer_obj = RolloutProducer(cfg, engine, prompts, score, stream, layout, None,
+                                           SamplingParams(max_new_tokens=shape.tokens), link=link,
+                                           state_file=f"state/producer-{producer}.json")
+            stats = asyncio.run_coroutine_threadsafe(producer_obj.run(), loop.loop).result()
+            link.beat(status="stopped", stats=asdict(stats), outstanding=0)
+        except BaseException as e:  # noqa: BLE001 (reported through ended())
+            self.errors[producer] = e
+        finally:
+            loop.close()
+
+    def ended(self, producer: str) -> str | None:
+        error = self.errors.get(producer)
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    def stop(self, producer: str, timeout: float = 10.0) -> None:
+        self.cancels[producer].set()
+        self.threads[producer].join(timeout)
+
+    def cancel(self, producer: str) -> None:
+        self.cancels[producer].set()
+
+    def abandon(self, producer: str, reason: str) -> None:
+        self.cancels[producer].set()
+
+
+def run_fleet(shape: Shape, producers: int, steps: int, warmup: int, s3) -> dict:
+    from miles_core.rollout.buffer import DefaultDataBuffer
+    from miles_core.rollout.consumer import GroupFeed
+    from miles_core.rollout.supervisor import Fleet
+    from miles_core.run import RunRefs
+    from miles_core.storage import RunLayout, SampleStream
+
+    root = s3.make_bucket(f"fleet-{producers}-{int(time.time() * 1000) % 100000}")
+    cfg = _cfg(shape, producers, root, s3.storage_options)
+    layout = RunLayout(root, cfg.name, "r", s3.storage_options)
+    refs = RunRefs("r", layout.run_dir, "")
+    launcher = ThreadLauncher(cfg, refs, shape)
+    fleet = Fleet(cfg, refs, launcher, SampleStream(refs.run_dir, "rollout", s3.storage_options), warn=print)
+    capacity = max(1, round(shape.capacity_factor * shape.batch))
+    feed = GroupFeed(fleet.base_stream, DefaultDataBuffer(cfg.async_rollout, capacity=10 * capacity, first_version=0),
+                     cfg.async_rollout, streams=fleet.streams, producer_check=fleet.check, recycle=fleet.recycle,
+                     poll_s=0.01)
+    fleet.start()
+    waits, step_times, latencies, ahead = [], [], [], []
+    produced_at_start = t_start = None
+    try:
+        for step in range(warmup + steps):
+            t0 = time.perf_counter()
+            batch = feed.next_batch(shape.batch, 0)
+            now = time.time()
+            time.sleep(shape.step_s)  # the training step
+            feed.commit()
+            if step == warmup:
+                produced_at_start, t_start = _produced(fleet), time.perf_counter()
+            if step >= warmup:
+                waits.append(batch.wait_seconds)
+                step_times.append(time.perf_counter() - t0)
+                latencies += [now - g.samples[0].metadata["t_claim"] for g in batch.groups]
+                ahead.append(sum(hb.outstanding for hb in fleet.control.heartbeats().values()))
+        produced = _produced(fleet) - produced_at_start
+        seconds = time.perf_counter() - t_start
+    finally:
+        fleet.stop(timeout=20)
+    latencies.sort()
+    return {
+        "producers": producers,
+        "produced_qps": produced / seconds,
+        "consumed_qps": shape.batch * shape.n * len(step_times) / sum(step_times),
+        "idle": sum(waits) / sum(step_times),
+        "lat_p50": latencies[len(latencies) // 2],
+        "lat_p95": latencies[int(0.95 * (len(latencies) - 1))],
+        "ahead_max": max(ahead),
+        "capacity": capacity,
+    }
+
+
+def _produced(fleet) -> int:
+    return sum(hb.stats.get("samples_finished", 0) for hb in fleet.control.heartbeats().values())
+
+
+def render(results: list[dict], shape: Shape, args) -> str:
+    base = results[0]["produced_qps"]
+    per_producer = shape.concurrency / (shape.tokens * shape.token_latency)
+    consume = shape.batch * shape.n / shape.step_s
+    load = os.getloadavg()
+    lines = [
+        f"Workload: scripted engine, {shape.tokens} tokens per sample at {shape.token_latency * 1000:.0f} ms per token, "
+        f"at most {shape.concurrency} samples in flight per producer (so ~{per_producer:.0f} samples/s each); trainer "
+        f"steps of {shape.batch} groups x {shape.n} samples taking {shape.step_s} s (consumes at most "
+        f"{consume:.0f} samples/s); buffer bound {shape.capacity_factor} x {shape.batch} groups; {args.steps} measured "
+        f"steps after {args.warmup}; storage: moto S3 on 127.0.0.1; load average before: {load[0]:.2f}.",
+        "",
+        "| producers | produced samples/s | vs 1 producer | N | consumed samples/s | trainer idle | "
+        "latency p50 | latency p95 | most groups ahead / bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['producers']} | {r['produced_qps']:.0f} | {r['produced_qps'] / base:.2f}x | {r['producers']} | "
+            f"{r['consumed_qps']:.0f} | {100 * r['idle']:.1f}% | {r['lat_p50']:.2f} s | {r['lat_p95']:.2f} s | "
+            f"{r['ahead_max']} / {r['capacity']} |")
+    lines += ["", "Goals (from the issue):"]
+    for r in results:
+        n = r["producers"]
+        unbounded = n * per_producer < consume
+        if unbounded:
+            ok = r["produced_qps"] >= 0.8 * n * base
+            lines.append(f"- {n} producer(s), production below consumption: grows >= 0.8 x N: "
+                         f"{'MET' if ok else 'NOT MET'} ({r['produced_qps'] / base:.2f}x vs {0.8 * n:.1f}x)")
+        else:
+            ok = r["idle"] < 0.05
+            lines.append(f"- {n} producer(s), production above consumption: trainer idle < 5%: "
+                         f"{'MET' if ok else 'NOT MET'} ({100 * r['idle']:.1f}%); buffer bound "
+                         f"{'held' if r['ahead_max'] <= r['capacity'] + n * 8 else 'EXCEEDED'} "
+                         f"({r['ahead_max']} groups ahead at most, bound {r['capacity']} + up to one claim of 8 "
+                         f"per producer while heartbeats travel)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--step-s", type=float, default=0.25)
+    parser.add_argument("--token-latency", type=float, default=0.1)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--capacity-factor", type=float, default=2.0)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet.md"))
+    args = parser.parse_args(argv)
+    shape = Shape(args.batch, args.n, args.step_s, args.token_latency, args.tokens, args.concurrency,
+                  args.capacity_factor)
+    from miles_core.storage.local_s3 import LocalS3
+
+    results = []
+    with LocalS3() as s3:
+        for n in args.producers:
+            print(f"[{n} producer(s)] ...", file=sys.stderr)
+            results.append(run_fleet(shape, n, args.steps, args.warmup, s3))
+    text = render(results, shape, args)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    cmd = " ".join(["python bench/fleet.py", *(argv if argv is not None else sys.argv[1:])])
+    Path(args.out).write_text(f"Command: `.venv/bin/{cmd}`\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
