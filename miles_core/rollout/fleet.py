@@ -43,8 +43,10 @@ from miles_core.storage.fs import (
     DEFAULT_RETRY,
     atomic_write,
     create_only_write,
+    io_pool,
     join,
     list_after,
+    list_tree,
     open_fs,
     read_bytes,
     to_url,
@@ -104,6 +106,16 @@ class _Files:
             return self._call(lambda: list_after(self.fs, self.path(folder), after), folder)
         except FileNotFoundError:
             return []
+
+    def tree(self, folder: str) -> list[str]:
+        """Every file below ``folder`` (relative paths), in one listing on S3."""
+        return self._call(lambda: list_tree(self.fs, self.path(folder)), folder)
+
+    def read_many(self, rels: list[str]) -> list[Any | None]:
+        """``read`` of each, concurrently (object-store latency, not CPU, is what they wait on)."""
+        if len(rels) <= 1:
+            return [self.read(r) for r in rels]
+        return list(io_pool().map(self.read, rels))
 
     def remove(self, rel: str) -> None:
         try:
@@ -264,6 +276,15 @@ class Heartbeat:
         return cls(**{k: v for k, v in obj.items() if k in known})
 
 
+@dataclass
+class Signals:
+    """What the run folder tells producers: stop, who holds a pause, who is fenced."""
+
+    stop: bool = False
+    pause_holders: list[str] = field(default_factory=list)
+    fenced: set[str] = field(default_factory=set)
+
+
 class ControlPlane:
     """Heartbeats, stop, pause and fences of one run's fleet."""
 
@@ -279,13 +300,31 @@ class ControlPlane:
 
     # -- either side reads
     def heartbeats(self) -> dict[str, Heartbeat]:
-        out = {}
-        for name in self.files.names("producers"):
-            if name.endswith(".json") and not name.startswith("."):
-                obj = self.files.read(f"producers/{name}")
-                if obj is not None:
-                    out[name[:-5]] = Heartbeat.of(obj)
-        return out
+        names = [n for n in self.files.names("producers") if n.endswith(".json") and not n.startswith(".")]
+        objs = self.files.read_many([f"producers/{n}" for n in names])
+        return {n[:-5]: Heartbeat.of(obj) for n, obj in zip(names, objs) if obj is not None}
+
+    def signals(self) -> Signals:
+        """Stop, pause holders and fences in one listing of ``control/`` (what a producer polls)."""
+        stop, holders, fenced = False, [], set()
+        for rel in self.files.tree("control"):
+            folder, _, name = rel.rpartition("/")
+            if name.startswith(".") or not name.endswith(".json"):
+                continue  # a temp file being written
+            if rel == "stop.json":
+                stop = True
+            elif folder == "pause":
+                holders.append(name[:-5])
+            elif folder == "fence":
+                fenced.add(name[:-5])
+        return Signals(stop, sorted(holders), fenced)
+
+    # -- the fleet's groups ahead of the trainer (the trainer writes it from the heartbeats it reads)
+    def write_ahead(self, ahead: dict[str, int]) -> None:
+        self.files.write("ahead.json", ahead)
+
+    def ahead(self) -> dict[str, int]:
+        return self.files.read("ahead.json") or {}
 
     def heartbeat(self, producer: str) -> Heartbeat | None:
         obj = self.files.read(f"producers/{producer}.json")
@@ -369,6 +408,8 @@ class FleetMonitor:
         """``ended(producer)``: why the launcher knows it ended (exit code, flow run state), or None."""
         self.watched: dict[str, _Watched] = {}
         self.fences: dict[str, int] = {}
+        self.polls = 0
+        """How many times ``poll`` read the heartbeats."""
         self._polled_at = 0.0
 
     def watch(self, producer: str) -> None:
@@ -390,10 +431,14 @@ class FleetMonitor:
         if not force and now - self._polled_at < self.poll_s:
             return []
         self._polled_at = now
+        self.polls += 1
         beats = self.control.heartbeats()
-        for producer in beats:
-            if producer not in self.watched and self.control.fence_of(producer) is None:
-                self.watch(producer)  # joined the run
+        joined = [p for p in beats if p not in self.watched]
+        if joined:
+            fenced = self.control.signals().fenced
+            for producer in joined:
+                if producer not in fenced:
+                    self.watch(producer)  # joined the run
         died = []
         for w in self.watched.values():
             if w.dead is not None:

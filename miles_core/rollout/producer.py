@@ -298,8 +298,10 @@ class RolloutProducer:
         self.state_file = state_file
         self.partial_stream = partial_stream
         """The stream unfinished groups are saved to on stop (partial rollout), and resumed from."""
-        self.others_outstanding = 0
-        """Groups the fleet's other producers hold ahead of the trainer (from their heartbeats)."""
+        self.fleet_size = 1
+        """Live producers of the fleet this one is in (the trainer says, in ``fleet/ahead.json``):
+        each may hold its share of ``capacity`` ahead of the trainer, so the fleet holds at most
+        ``capacity`` whatever the delay of what they know of each other."""
         self._control_at = 0.0
         self._paused_for: list[str] = []
         self.filters = GroupFilters(self.acfg.dynamic_filters)
@@ -364,7 +366,7 @@ class RolloutProducer:
                 if not self._gate.is_set():  # paused, or loading weights
                     await asyncio.sleep(self.acfg.weight_poll_s)
                     continue
-                if self._outstanding() + self.others_outstanding >= self.capacity:
+                if self._outstanding() >= self.share:
                     await self._flush(force=True)  # at the bound: nothing more comes until the trainer moves
                     if not await self._wait_for_consumer():
                         continue
@@ -420,6 +422,11 @@ class RolloutProducer:
         self._works.add(work)
         self.stats.groups_started += 1
         return work
+
+    @property
+    def share(self) -> int:
+        """The groups this producer may hold ahead of the trainer: its share of ``capacity``."""
+        return max(1, -(-self.capacity // max(1, self.fleet_size)))
 
     def _next_prompt(self) -> tuple[PromptItem, int]:
         """The next prompt and its group index: a fleet's claimed prompts carry their own (unique
@@ -580,9 +587,10 @@ class RolloutProducer:
         cursor = await asyncio.to_thread(self._consumer_cursor)
         for offset in [o for o in self._segment_groups if o <= cursor]:
             del self._segment_groups[offset]
-        if self._outstanding() + self.others_outstanding < self.capacity:
+        if self._outstanding() < self.share:
             return True
-        await asyncio.sleep(0.05)
+        # at the bound: look at the cursor again soon; a member of a large fleet less often
+        await asyncio.sleep(min(max(0.05, self.acfg.control_poll_s), 0.05 * self.fleet_size))
         self.stats.backpressure_seconds += time.monotonic() - t0
         return False
 

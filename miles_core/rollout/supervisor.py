@@ -23,6 +23,7 @@ a deployment, children of the training run).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +65,10 @@ class Fleet:
         self._next = 0
         self._seen: tuple[float, int, float] | None = None
         self._stopped = False
+        self._lock = threading.Lock()  # the monitor's state: the watcher thread and the trainer's
+        self._died: list = []
+        self._watch_error: BaseException | None = None
+        self._watching = threading.Event()
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -73,17 +78,46 @@ class Fleet:
         self._next = max(known, default=-1) + 1  # a run started again never reuses a producer's stream
         for _ in range(self.cfg.async_rollout.rollout_producers):
             self._launch()
+        self._watching.set()
+        threading.Thread(target=self._watch, name="fleet-monitor", daemon=True).start()
 
     def _launch(self) -> str:
         producer = f"p{self._next}"
         self._next += 1
-        self.monitor.watch(producer)
+        with self._lock:
+            self.monitor.watch(producer)
         self.launcher.launch(producer)
         return producer
 
+    def _watch(self) -> None:
+        """The watcher thread: reads the heartbeats every ``poll_s`` (storage latency stays off the
+        trainer's thread), fences and releases the dead, tells the fleet its size
+        (``fleet/ahead.json``). ``check`` acts on what it found."""
+        while self._watching.is_set():
+            try:
+                self.poll()
+            except BaseException as e:  # noqa: BLE001 (raised by check, on the trainer's thread)
+                self._watch_error = e
+                return
+            time.sleep(self.monitor.poll_s)
+
+    def poll(self) -> None:
+        with self._lock:
+            polls = self.monitor.polls
+            died = self.monitor.poll(last_offset=self._last_offset)
+            if self.monitor.polls != polls:
+                beats = self.monitor.heartbeats()
+                self.control.write_ahead({p: beats[p].outstanding for p in self.monitor.alive if p in beats})
+            self._died += died
+
     def check(self) -> None:
-        """Notice dead producers and replace them (or fail the run when no restart is left)."""
-        for w in self.monitor.poll(last_offset=self._last_offset):
+        """Replace the producers found dead (or fail the run when no restart is left); raises what
+        broke the watcher thread. The trainer's feed calls it on every poll."""
+        if self._watch_error is not None:
+            raise self._watch_error
+        with self._lock:
+            died, self._died = self._died, []
+        for w in died:
             self.deaths.append(w.producer)
             text = self.monitor.describe(w)
             released = getattr(w, "released", 0)
@@ -102,6 +136,7 @@ class Fleet:
         if self._stopped:
             return
         self._stopped = True
+        self._watching.clear()
         self.control.request_stop("the training run is over")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -123,6 +158,7 @@ class Fleet:
         if self._stopped:
             return
         self._stopped = True
+        self._watching.clear()
         for producer in self.monitor.alive:
             self.launcher.cancel(producer)
         deadline = time.monotonic() + timeout
@@ -139,7 +175,9 @@ class Fleet:
 
     def streams(self) -> list[tuple[SampleStream, int | None]]:
         """Each producer's stream and, for a fenced one, the last offset to read of it."""
-        return [(self.stream(p), self.monitor.fences.get(p)) for p in self.monitor.producers()]
+        with self._lock:
+            found = [(p, self.monitor.fences.get(p)) for p in self.monitor.producers()]
+        return [(self.stream(p), fence) for p, fence in found]
 
     def recycle(self, groups: list[Group]) -> None:
         self.log.release([g.samples[0].prompt_index for g in groups], reason="rejected by the trainer (retry)")
@@ -181,7 +219,8 @@ class Fleet:
 
     def metrics(self) -> dict[str, float]:
         """Fleet throughput and idle share since the last call (from the producers' heartbeats)."""
-        beats = self.monitor.heartbeats()
+        with self._lock:
+            beats, alive = self.monitor.heartbeats(), len(self.monitor.alive)
         stats = [hb.stats for hb in beats.values() if hb.stats]
         now = time.monotonic()
         finished = sum(s.get("samples_finished", 0) for s in stats)
@@ -189,7 +228,7 @@ class Fleet:
         prev = self._seen or (now, finished, idle)
         self._seen = (now, finished, idle)
         span = max(now - prev[0], 1e-9)
-        alive = max(len(self.monitor.alive), 1)
+        alive = max(alive, 1)
         return {
             "async/producer_throughput_qps": (finished - prev[1]) / span,
             "async/producer_idle_fraction": min(1.0, max(0.0, (idle - prev[2]) / span / alive)),
@@ -198,7 +237,7 @@ class Fleet:
             "async/groups_filtered": float(sum(sum(s.get("groups_filtered", {}).values()) for s in stats)),
             "async/samples_failed": float(sum(s.get("samples_failed", 0) for s in stats)),
             "async/generation_errors": float(sum(s.get("generation_errors", 0) for s in stats)),
-            "async/producers_alive": float(len(self.monitor.alive)),
+            "async/producers_alive": float(alive),
             "async/producer_deaths": float(len(self.deaths)),
         }
 

@@ -6,9 +6,10 @@
   run folder says stop (or ``cancel`` is set, or the process that launched it is gone). On its
   way out it gives back the prompts it claimed and never started; on failure its heartbeat says
   ``failed`` with the error and its traceback, which the trainer reports.
-- ``ProducerLink``: what ``RolloutProducer`` polls (``control_poll_s``): stop, pause, fence; it
-  also writes the heartbeat (every ``producer_heartbeat_s``) and sums the other producers'
-  outstanding groups for back-pressure.
+- ``ProducerLink``: what ``RolloutProducer`` polls (``control_poll_s``): stop, pause, fence, in one
+  listing; it also writes the heartbeat (every ``producer_heartbeat_s``) and reads how many live
+  producers share the buffer bound (``fleet/ahead.json``: the trainer writes it from the
+  heartbeats it reads, so no producer reads the others' heartbeats).
 - ``ClaimedPrompts``: the producer's prompt supply, ``prompt_claim_size`` prompts per claim.
 - ``SubprocessLauncher``: the laptop default: each producer is ``python -m miles_core.rollout.worker``,
   a child process of the trainer's, given its config on stdin (secrets never touch disk or argv).
@@ -82,9 +83,9 @@ class Signal:
 class ProducerLink:
     """A producer's side of the control plane (polled from the producer's loop, on a worker thread)."""
 
-    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, heartbeat_s: float, timeout_s: float = 10.0,
+    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, heartbeat_s: float,
                  cancel: threading.Event | None = None, parent_pid: int | None = None) -> None:
-        self.control, self.hb, self.heartbeat_s, self.timeout_s = control, heartbeat, heartbeat_s, timeout_s
+        self.control, self.hb, self.heartbeat_s = control, heartbeat, heartbeat_s
         self.cancel = cancel or threading.Event()
         self.parent_pid = parent_pid
         """Stop when this process is no longer our parent (the trainer died without stopping us)."""
@@ -92,19 +93,21 @@ class ProducerLink:
         self._lock = threading.Lock()  # the starting beat's thread and the producer's loop
 
     def poll(self, producer: RolloutProducer, beat_now: bool = False) -> Signal:
-        if self.control.fence_of(self.hb.producer) is not None:
+        """One listing of ``control/`` (stop, pause, fence); on the heartbeat's cadence also the
+        heartbeat and the fleet's groups ahead (``ahead.json``, which the trainer writes)."""
+        signals = self.control.signals()
+        if self.hb.producer in signals.fenced:
             raise ProducerFenced(f"producer {self.hb.producer} was declared dead by the trainer "
                                  f"({self.control.files.url(f'control/fence/{self.hb.producer}.json')}); stopping")
-        stop = self.cancel.is_set() or self.control.stop_requested()
+        stop = self.cancel.is_set() or signals.stop
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             stop = True
-        holders = self.control.pause_holders()
         now = time.monotonic()
         if beat_now or now - self._beat_at >= self.heartbeat_s:
             self.beat(**producer.heartbeat_fields())
             self._beat_at = now
-            producer.others_outstanding = self._others_outstanding()
-        return Signal(stop, holders)
+            producer.fleet_size = len(set(self.control.ahead()) | {self.hb.producer})
+        return Signal(stop, signals.pause_holders)
 
     def beat(self, **fields: Any) -> None:
         with self._lock:
@@ -130,16 +133,6 @@ class ProducerLink:
         threading.Thread(target=run, name=f"heartbeat-{self.hb.producer}", daemon=True).start()
         return done
 
-    def _others_outstanding(self) -> int:
-        """Groups the other live producers hold ahead of the trainer, by their last heartbeats: not
-        those fenced (declared dead) or silent for longer than the trainer waits before it does so
-        (whose groups, written or not, the trainer no longer waits for)."""
-        fenced = self.control.fenced()
-        fresh = time.time() - self.timeout_s
-        return sum(hb.outstanding for name, hb in self.control.heartbeats().items()
-                   if name != self.hb.producer and name not in fenced and hb.status in ("running", "paused")
-                   and hb.updated_at >= fresh)
-
 
 def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cancel: threading.Event | None = None,
                        flow_run_id: str | None = None, parent_pid: int | None = None, log=print) -> dict[str, Any]:
@@ -151,7 +144,7 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
     opts = cfg.storage.storage_options
     control = ControlPlane(refs.run_dir, opts)
     link = ProducerLink(control, Heartbeat(producer_id, "starting", flow_run_id=flow_run_id), a.producer_heartbeat_s,
-                        a.producer_heartbeat_timeout_s, cancel, parent_pid)
+                        cancel, parent_pid)
     link.beat()
     starting = link.beat_while_starting()
     session = RunSession(cfg, refs)

@@ -406,3 +406,42 @@ def list_after(fs: fsspec.AbstractFileSystem, folder: str, start_after: str | No
         if not out.get("IsTruncated"):
             return [n for n in names if n and "/" not in n]
         kwargs["ContinuationToken"] = out["NextContinuationToken"]
+
+
+def list_tree(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
+    """Every file below ``folder``, as paths relative to it, in one listing where the backend can:
+    s3://: ``list_objects_v2(Prefix=folder/)`` without a delimiter (paged, no cache); elsewhere a
+    walk. Empty if the folder does not exist."""
+    if not is_s3(fs):
+        base = folder.rstrip("/") + "/"
+        try:
+            found = fs.find(folder)
+        except FileNotFoundError:
+            return []
+        return sorted(p[len(base):] for p in found if p.startswith(base))
+    bucket, key = _split_s3(fs, folder)
+    prefix = key.rstrip("/") + "/" if key else ""
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    names: list[str] = []
+    while True:
+        out = fs.call_s3("list_objects_v2", **kwargs)
+        names.extend(obj["Key"][len(prefix):] for obj in out.get("Contents", []))
+        if not out.get("IsTruncated"):
+            return sorted(n for n in names if n)
+        kwargs["ContinuationToken"] = out["NextContinuationToken"]
+
+
+_IO_POOL = None
+_IO_POOL_LOCK = threading.Lock()
+
+
+def io_pool():
+    """Threads for concurrent small storage calls (a fleet's heartbeats, its streams' listings),
+    shared by the process: they wait on the endpoint's latency, not on the CPU."""
+    global _IO_POOL
+    with _IO_POOL_LOCK:
+        if _IO_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _IO_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="storage-io")
+    return _IO_POOL

@@ -39,6 +39,7 @@ from miles_core.storage.fs import (
     RetryPolicy,
     atomic_write,
     create_only_write,
+    is_local,
     join,
     list_after,
     open_fs,
@@ -191,6 +192,8 @@ class SampleStream:
         offsets = self.offsets(after)
         if max_segments is not None:
             offsets = offsets[:max_segments]
+        if len(offsets) > 1 and not is_local(self.fs):  # an object store: fetch them at once, keep the order
+            return list(_segment_pool().map(self.read_segment, offsets))
         return [self.read_segment(o) for o in offsets]
 
     def read_segment(self, offset: int) -> Segment:
@@ -395,6 +398,22 @@ class StreamReader:
 
 
 # ------------------------------------------------------------------------------------- encoding
+
+
+_SEGMENT_POOL = None
+_SEGMENT_POOL_LOCK = threading.Lock()
+
+
+def _segment_pool():
+    """Threads that fetch a reader's new segments from an object store concurrently (its own pool:
+    a fleet's trainer already reads its streams on ``fs.io_pool``)."""
+    global _SEGMENT_POOL
+    with _SEGMENT_POOL_LOCK:
+        if _SEGMENT_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _SEGMENT_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="segment-read")
+    return _SEGMENT_POOL
 
 
 def _as_table(samples: list[Sample] | list[Group] | pa.Table) -> pa.Table:

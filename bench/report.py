@@ -1,0 +1,35 @@
+"""Write ``docs/benchmarks.md`` from the latest result of every benchmark (``bench/results/*.md``,
+each starting with the command that produced it), so the page shows exactly what was last run.
+
+Run: ``.venv/bin/python bench/report.py`` after any benchmark.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TITLES = {
+    "modes": "Execution modes: sync vs async vs fully async (bench/modes.py)",
+    "modes-no-tis": "Execution modes without TIS (bench/modes.py)",
+    "modes-eval-separate": "Fully async with and without evaluation beside training (bench/modes.py --eval-compare)",
+    "fleet": "Rollout fleet: 1, 2, 4, 8 producers through S3 (bench/fleet.py)",
+    "stream": "SampleStream vs raw fsspec (bench/stream.py)",
+    "train_step": "Train step: torch vs DeepSpeed, full vs LoRA (bench/train_step.py)",
+    "multi_lora": "Multi-LoRA: shared rollouts vs separate runs (bench/multi_lora.py)",
+}
+
+
+def main() -> None:
+    parts = ["# Benchmarks", "",
+             "The latest table of each benchmark, as `bench/results/` holds it (regenerate with",
+             "`.venv/bin/python bench/report.py`). Every table was produced on the project's 2-core CPU machine by",
+             "the command above it; the machine is shared and noisy, so compare rows of one table, not tables.", ""]
+    results = sorted((ROOT / "bench" / "results").glob("*.md"), key=lambda p: (p.stem not in TITLES, p.stem))
+    for path in results:
+        parts += [f"## {TITLES.get(path.stem, path.stem)}", "", path.read_text().strip(), ""]
+    (ROOT / "docs" / "benchmarks.md").write_text("\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()
