@@ -165,13 +165,13 @@ def test_prompt_log_on_s3_claims_each_prompt_once_under_concurrency(s3):
 
     def claimer(k: int) -> list[int]:
         log = PromptLog(run_dir, opts, draw=counter_draw(1000))
-        rows = [r for _ in range(5) for r in log.claim(f"p{k}", 4).rows]
-        if k == 0:
-            log.release(rows[:3], reason="test")
-        return rows
+        return [r for _ in range(5) for r in log.claim(f"p{k}", 4).rows]
 
     with ThreadPoolExecutor(6) as pool:
         rows = [r for batch in pool.map(claimer, range(6)) for r in batch]
     assert sorted(rows) == list(range(6 * 5 * 4))
-    again = PromptLog(run_dir, opts, draw=counter_draw(1000)).claim("p9", 4)
-    assert again.rows[:3] == rows[:3], "released rows come back first"
+    PromptLog(run_dir, opts).release(rows[:3], reason="test")  # then two more claimers race for them
+    with ThreadPoolExecutor(2) as pool:
+        again = list(pool.map(lambda k: PromptLog(run_dir, opts, draw=counter_draw(1000)).claim(f"q{k}", 2).rows,
+                              range(2)))
+    assert sorted(r for rs in again for r in rs) == sorted(rows[:3] + [120]), "released rows first, once each"
