@@ -186,17 +186,12 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     each ``train-k`` takes the next ``rollout_batch_size`` trainable groups from the producers'
     streams. Producers load new versions themselves; ``stop-producers`` ends them."""
     launch_producers(cfg, refs)
-    try:
-        for step in range(start, cfg.rollout.num_rollout):
-            t0 = time.perf_counter()
-            t = train_from_stream(cfg, refs, step)
-            row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
-            yield step, _with_idle(row), None
-    except BaseException:  # cancelled, interrupted or failed: the producers are cancelled too, now
-        if session.fleet is not None:
-            session.fleet.cancel()
-        raise
-    stop_producers(cfg, refs)
+    for step in range(start, cfg.rollout.num_rollout):
+        t0 = time.perf_counter()
+        t = train_from_stream(cfg, refs, step)
+        row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
+        yield step, _with_idle(row), None
+    stop_producers(cfg, refs)  # a run that fails or is cancelled cancels them instead, in close_session
 
 
 def _with_idle(row: dict[str, Any]) -> dict[str, Any]:

@@ -355,10 +355,6 @@ class ControlPlane:
         self.files.write(f"control/fence/{check_name('producer', producer)}.json",
                          {"last_offset": last_offset, "reason": reason, "at": time.time()})
 
-    def fenced(self) -> set[str]:
-        """The producers declared dead."""
-        return {n[:-5] for n in self.files.names("control/fence") if n.endswith(".json") and not n.startswith(".")}
-
     def fence_of(self, producer: str) -> int | None:
         """The last offset of ``producer``'s stream the trainer reads, if it was fenced."""
         obj = self.files.read(f"control/fence/{producer}.json")
@@ -385,6 +381,8 @@ class _Watched:
     dead: str | None = None
     """Why it was declared dead (None: alive, as far as the trainer knows)."""
     last: Heartbeat | None = None
+    released: int = 0
+    """Prompts it claimed and never wrote, given back when it was declared dead."""
 
 
 class FleetMonitor:
@@ -478,7 +476,7 @@ class FleetMonitor:
         unwritten = [c.rows[i] for c in self.log.claims_of(w.producer)
                      for i in range(len(c.rows)) if c.group_index(i) not in written]
         self.log.release(unwritten, reason=f"producer {w.producer} died", producer=w.producer)
-        w.released = len(unwritten)  # type: ignore[attr-defined]
+        w.released = len(unwritten)
 
     def describe(self, w: _Watched) -> str:
         """A dead producer, its reason and its last error with traceback (if it wrote one)."""

@@ -120,7 +120,6 @@ class Fleet:
         for w in died:
             self.deaths.append(w.producer)
             text = self.monitor.describe(w)
-            released = getattr(w, "released", 0)
             if self.restarts_left <= 0:
                 self.launcher.abandon(w.producer, w.dead or "declared dead")
                 limit = self.cfg.async_rollout.producer_restarts
@@ -128,7 +127,7 @@ class Fleet:
             self.restarts_left -= 1
             self.launcher.abandon(w.producer, w.dead or "declared dead")
             replacement = self._launch()
-            self.warn(f"{text.splitlines()[0]}; {released} of its claimed prompts went back to the pool; "
+            self.warn(f"{text.splitlines()[0]}; {w.released} of its claimed prompts went back to the pool; "
                       f"launched {replacement} in its place ({self.restarts_left} restart(s) left)")
 
     def stop(self, timeout: float = 60.0) -> None:

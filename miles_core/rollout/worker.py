@@ -221,9 +221,10 @@ class SubprocessLauncher:
         cmd = [sys.executable, "-m", "miles_core.rollout.worker", "--producer-id", producer,
                "--run-id", self.refs.run_id, "--run-dir", self.refs.run_dir, "--model-dir", self.refs.model_dir,
                "--parent-pid", str(os.getpid())]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True)
         cores = self.cfg.async_rollout.producer_cpu_affinity
-        pin = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True, preexec_fn=pin)
+        if cores and hasattr(os, "sched_setaffinity"):  # before it has imported anything heavy
+            os.sched_setaffinity(proc.pid, cores)
         proc.stdin.write(self.cfg.model_dump_json())  # the whole config, storage credentials too: never on disk
         proc.stdin.close()
         self.procs[producer] = proc
