@@ -58,7 +58,7 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str) -> dict[str, Any]:
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
         if _eval_due(cfg, step):
             row["eval_accuracy"] = evaluate_adapter(cfg, refs, name, step + 1)["accuracy"]
-        session.record(step + 1, row)
+        session.history.record(step + 1, row)
         if checkpoint_due(cfg, step + 1):
             save_adapter_checkpoint(cfg, refs, name, step + 1)
         line = (f"{name} step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f}"
@@ -66,7 +66,7 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str) -> dict[str, Any]:
         if "eval_accuracy" in row:
             line += f" | eval accuracy {row['eval_accuracy']:.3f}"
         log.info(line)
-    return {"name": name, "steps": total, "version": session.trainer.version}
+    return {"name": name, "steps": total, "version": session.training.trainer.version}
 
 
 @flow(name="train-multi-lora", flow_run_name="{cfg.name}", validate_parameters=True)
@@ -93,12 +93,12 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
             try:
                 states = _run_adapters(cfg, refs, run, log)
             finally:  # the producer stops before the run's slots go
-                run.shared.stop_producer()
+                run.stop_producer()
                 producer.wait(timeout=120)
-        run.shared._check_producer()  # a dead producer fails the run with its own error
+        run.check_producer()  # a dead producer fails the run with its own error
         summary = _summary(cfg, refs, run, before, time.perf_counter() - t_start)
-        run.shared.finish(summary)
-        run.shared.layout.write_text("adapters.md", _report(cfg, summary))
+        run.finish(summary)
+        run.layout.write_text("adapters.md", _report(cfg, summary))
         create_markdown_artifact(_report(cfg, summary), key=None, description=f"{cfg.name}: multi-LoRA summary")
         _publish_table(cfg, summary)
         _publish_curves(cfg, run, summary)
@@ -113,7 +113,7 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _refuse_resume(run) -> None:
-    done = [n for n, s in run.adapters.items() if s.layout.read_jsonl("metrics.jsonl")]
+    done = [n for n, s in run.adapters.items() if s.history.has_steps()]
     if done:
         raise RuntimeError(
             f"run {run.refs.run_id} already has training steps for adapters {', '.join(done)}; multi-LoRA runs "
@@ -141,7 +141,7 @@ def _run_adapters(cfg: RunConfig, refs: RunRefs, run, log) -> dict:
 
 def _summary(cfg: RunConfig, refs: RunRefs, run, before, seconds: float) -> dict[str, Any]:
     adapters = [adapter_summary(run.adapters[n], before, run.finished.get(n)) for n in run.names]
-    producer = run.shared.layout.read_json("state/producer.json") or {}
+    producer = run.layout.read_json("state/producer.json") or {}
     stats = producer.get("stats", {})
     return {
         "run_id": refs.run_id,
@@ -183,18 +183,18 @@ def _publish_curves(cfg: RunConfig, run, summary: dict[str, Any]) -> None:
     and one with every adapter side by side (``curves.png``)."""
     reward = {}
     for name, session in run.adapters.items():
-        png = run_curves(session.metrics_rows, session.eval_rows, f"{cfg.name}: adapter {name}")
+        png = run_curves(session.history.metrics_rows, session.history.eval_rows, f"{cfg.name}: adapter {name}")
         url = session.layout.write_bytes("curves.png", png)
         create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: adapter {name}, reward and held-out "
                                                                    f"accuracy per step (also {url})")
-        reward[name] = reward_points(session.metrics_rows)
+        reward[name] = reward_points(session.history.metrics_rows)
     if len(reward) > 1 and len({tuple(points) for points in reward.values()}) == 1:
         # shared rollouts: every adapter trained on the same base-generated batches, one line says it
         reward = {"every adapter (shared rollouts)": next(iter(reward.values()))}
     before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
     accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
     png = curves_png(reward, accuracy, f"{cfg.name}: every adapter")
-    url = run.shared.layout.write_bytes("curves.png", png)
+    url = run.layout.write_bytes("curves.png", png)
     create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: every adapter side by side (also {url})")
 
 

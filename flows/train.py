@@ -117,14 +117,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     row["eval_accuracy"] = evaluate(cfg, refs, step + 1)["accuracy"]
                 elif _due(cfg, step):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
-                session.record(step + 1, row)
+                session.history.record(step + 1, row)
                 if r is not None and checkpoint_due(cfg, step + 1):
                     save_checkpoint(cfg, refs, step + 1, r)
                 log.info(_step_line(step, total, row))
                 if "eval_accuracy" in row:
-                    log.info(_eval_line(f"after step {step + 1}", session.eval_rows[-1]))
+                    log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
                 update_progress_artifact(progress, 100.0 * (step + 1) / total)
-        after = session.eval_rows[-1] if session.eval_rows else None
+        after = session.history.eval_rows[-1] if session.history.eval_rows else None
         summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
         session.finish(summary)
         _publish_artifacts(cfg, summary, session)
@@ -247,7 +247,7 @@ def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str
     """The starting policy's evaluation: run now on a fresh run; a resumed run takes it from its
     eval history (its engine no longer holds the starting weights)."""
     if start > 0:
-        return next((e for e in session.eval_rows if e["step"] == 0), None)
+        return next((e for e in session.history.eval_rows if e["step"] == 0), None)
     if cfg.eval.skip_eval_before_train:
         return None
     if cfg.mode == "fully_async" and cfg.eval.engine == "separate":  # the trainer's process has no rollout engine
@@ -278,14 +278,14 @@ def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any
 
 
 def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None:
-    png = run_curves(session.metrics_rows, session.eval_rows, f"{cfg.name} ({summary['run_id']})")
+    png = run_curves(session.history.metrics_rows, session.history.eval_rows, f"{cfg.name} ({summary['run_id']})")
     curves = session.layout.write_bytes("curves.png", png)
     create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: reward and held-out accuracy per step "
                                                                f"(also {curves})")
     keys = ["step", "reward_mean", "accuracy", "loss", "kl", "grad_norm", "response_len_mean", "truncated_ratio",
             "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s"]
     table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k in keys}
-             for row in session.metrics_rows]
+             for row in session.history.metrics_rows]
     create_table_artifact(table, key=None, description=f"{cfg.name} per-step metrics")
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731

@@ -1,15 +1,16 @@
 """A multi-LoRA run's work, without Prefect: N LoRA adapters trained over one rollout stream.
 
-- ``MultiLoraRun(cfg, refs)``: the run's process-local state. ``shared`` is a ``RunSession`` of the
-  whole run (the engine with the base weights, prompts, the sample stream, the producer); every
-  adapter has an ``AdapterSession`` (``adapters[name]``), a ``RunSession`` of its own config
-  (``RunConfig.adapter_configs``) whose files live under ``adapters/<name>/`` in the run folder:
-  its trainer and optimizer, version counter, weight store, stream cursor
-  (``cursors/rollout/adapter-<name>.json``), metrics, evaluations and checkpoints.
-- The engine is shared: each adapter session sees it through ``AdapterPolicy(engine, name)``, so
-  its evaluations generate with its adapter, and each push loads its adapter by name (the base is
-  never reloaded).
-- One producer (``build_producer``) generates for all adapters:
+- ``MultiLoraRun(cfg, refs)``: the run's process-local state, composed of the run's parts
+  (``miles_core.session``): one ``RolloutSide`` of the base model (``rollouts``: the engine,
+  prompts, reward, over the run's ``files`` and ``loop``), the base model's ``evals`` and
+  ``history`` (its evaluation before training), and the run's one producer (``run_producer``).
+- ``AdapterSession`` (``adapters[name]``): one adapter, composed of the run's engine (through
+  ``AdapterPolicy(engine, name)``: its evaluations generate with its adapter, and each push loads
+  its adapter by name; the base is never reloaded), the run's sample stream and loop, and parts of
+  its own config (``RunConfig.adapter_configs``) whose files live under ``adapters/<name>/``: its
+  ``training`` side (trainer and optimizer, version counter, weight store, stream cursor
+  ``cursors/rollout/adapter-<name>.json``), ``evals``, ``history`` and ``checkpoints``.
+- The producer generates for all adapters:
   - ``shared``: every group once, by the base (or by ``lead_adapter``); each sample is stamped with
     every adapter's version at the time (``metadata["adapter_versions"]``), and every adapter trains
     on every group through ``shared_view(name)``, which counts staleness in its own versions;
@@ -25,11 +26,19 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import asdict
 from typing import Any
 
 from miles_core.config import RunConfig
-from miles_core.run import RunRefs, RunRegistry, RunSession, _built_once, _PromptSupply
+from miles_core.rollout.producer import ProducerMeter, RolloutProducer
+from miles_core.run import RunRegistry
+from miles_core.session.checkpoints import Checkpointer
+from miles_core.session.evals import Evaluator
+from miles_core.session.history import RunHistory
+from miles_core.session.parts import EngineLoop, RunFiles, built_once, load_weights
+from miles_core.session.refs import RunRefs
+from miles_core.session.rollouts import RolloutSide, SourcePrompts
+from miles_core.session.training import TrainerSide
 
 
 def adapter_reader(name: str) -> str:
@@ -37,41 +46,62 @@ def adapter_reader(name: str) -> str:
     return f"adapter-{name}"
 
 
-class AdapterSession(RunSession):
-    """One adapter of a multi-LoRA run: a ``RunSession`` that borrows the run's engine (through its
-    adapter), tokenizer, held-out prompts and sample stream, and keeps everything else its own."""
+class AdapterSession:
+    """One adapter of a multi-LoRA run: the run's engine (through its adapter), loop, tokenizer and
+    sample stream; its own trainer side, evaluator, history and checkpointer."""
 
     def __init__(self, run: MultiLoraRun, name: str, cfg: RunConfig) -> None:
         from miles_core.rollout.consumer import adapter_view, shared_view
         from miles_core.storage.fs import join
+        from miles_core.storage.layout import RunLayout
+        from miles_core.storage.weights import WeightStore
 
-        refs = RunRefs(run_id=name, run_dir=join(run.refs.run_dir, "adapters", name), model_dir=run.refs.model_dir)
-        cfg = cfg.model_copy(update={"name": "adapters", "storage": cfg.storage.model_copy(update={"root": run.refs.run_dir})})
-        super().__init__(cfg, refs)
         self.run, self.name = run, name
-        self.stream = run.shared.stream
-        self.feed_reader = adapter_reader(name)
+        self.refs = RunRefs(run_id=name, run_dir=join(run.refs.run_dir, "adapters", name),
+                            model_dir=run.refs.model_dir)
+        opts = cfg.storage.storage_options
+        self.cfg = cfg.model_copy(update={"name": "adapters", "storage": cfg.storage.model_copy(update={"root": run.refs.run_dir})})
+        layout = RunLayout(run.refs.run_dir, "adapters", name, opts)
+        self.files = RunFiles(layout, run.files.stream, WeightStore(layout.weights, storage_options=opts))
         per_adapter = run.cfg.multi_lora.rollout_source == "per_adapter"
-        self.feed_view = adapter_view(name) if per_adapter else shared_view(name)
-        self.producer_check = run.shared._check_producer
-        self.owns_engine = False
+        self.training = TrainerSide(
+            self.cfg, self.refs, self.files, reader=adapter_reader(name),
+            view=adapter_view(name) if per_adapter else shared_view(name), producer_check=run.check_producer,
+            producer_metrics=ProducerMeter(lambda: run.producer),
+        )
+        self.history = RunHistory(layout)
+        self.evals = Evaluator(self.cfg, self.refs, run.loop, self.files.weights, self.history,
+                               lambda: run.rollouts.tokenizer)
+        self.checkpoints = Checkpointer(self.cfg, self.refs, self.files)
 
-    @_built_once
+    @built_once
     def engine(self):
         from miles_core.engines.policy import AdapterPolicy
 
-        return AdapterPolicy(self.run.shared.engine, self.name)
+        return AdapterPolicy(self.run.rollouts.engine, self.name)
 
     @property
-    def tokenizer(self):
-        return self.run.shared.tokenizer
+    def layout(self):
+        return self.files.layout
 
     @property
-    def eval_items(self):
-        return self.run.shared.eval_items
+    def weights(self):
+        return self.files.weights
 
-    def _run(self, coro):
-        return self.run.shared._run(coro)
+    def push_weights(self, uri: str, version: int) -> float:
+        """Load the adapter's ``version`` into the run's engine by name; the seconds it took."""
+        return load_weights(self.run.loop, self.engine, uri, version)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The adapter's current version on the held-out prompts, on the run's engine."""
+        return self.evals.evaluate_on(self.engine, step)
+
+    def save_checkpoint(self, step: int, source_state: dict[str, Any]) -> str:
+        return self.checkpoints.save(step, self.training.trainer, source_state)
+
+    def close(self) -> None:
+        self.training.close()
+        self.evals.close()
 
 
 class MultiLoraRun:
@@ -80,12 +110,21 @@ class MultiLoraRun:
             raise ValueError("MultiLoraRun needs a config with multi_lora")
         self.cfg, self.refs = cfg, refs
         self.names = cfg.multi_lora.names
-        # the run's own session serves the base model: no adapter of its own
-        self.shared = RunSession(cfg.model_copy(update={"lora": None, "mode": "fully_async"}), refs)
+        base = cfg.model_copy(update={"lora": None, "mode": "fully_async"})  # the base model: no adapter of its own
+        self.files, self.loop = RunFiles.open(base, refs), EngineLoop()
+        self.rollouts = RolloutSide(base, refs, self.files, self.loop)
+        self.history = RunHistory(self.files.layout)
+        self.evals = Evaluator(base, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
+        self.producer: RolloutProducer | None = None
+        self._producer_error: BaseException | None = None
         self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in cfg.adapter_configs().items()}
         self._lock = threading.Lock()
         self.finished: dict[str, str | None] = {}
         """Adapters that left the run: name -> None (done) or the error that failed it."""
+
+    @property
+    def layout(self):
+        return self.files.layout
 
     def check_data(self) -> dict[str, int]:
         """Load the prompts now (a bad dataset fails the run before any work) and record each
@@ -93,7 +132,11 @@ class MultiLoraRun:
         configs = self.cfg.adapter_configs()
         for name, session in self.adapters.items():
             session.layout.write_json("config.json", configs[name].public_dict())
-        return self.shared.check_data()
+        return {"train_prompts": len(self.rollouts.source), "eval_prompts": sum(map(len, self.evals.items.values()))}
+
+    def evaluate_base(self) -> dict[str, float]:
+        """The base model on the held-out prompts: every adapter's version 0."""
+        return self.evals.evaluate_on(self.rollouts.engine, 0)
 
     # -- the producer
 
@@ -101,26 +144,25 @@ class MultiLoraRun:
         """Back-pressure: the cursor of the slowest adapter still training (all gone: the furthest)."""
         with self._lock:
             live = [n for n in self.names if n not in self.finished]
-        cursors = [self.shared.stream.reader(adapter_reader(n)).cursor for n in live or self.names]
+        cursors = [self.files.stream.reader(adapter_reader(n)).cursor for n in live or self.names]
         return min(cursors) if live else max(cursors)
 
     def version_stamp(self) -> dict[str, int]:
         """Every adapter's version now (stamped on the samples of a group when it starts)."""
         return {name: session.engine.weight_version for name, session in self.adapters.items()}
 
-    def build_producer(self):
-        """The run's producer (installed as ``shared.producer``, so the shared session runs, pauses
-        and stops it): one route per generating policy, no weight polling (each adapter pushes its
-        own versions), back-pressure from ``live_cursor``."""
-        from miles_core.rollout.producer import PolicyRoute, RolloutProducer
+    def build_producer(self) -> RolloutProducer:
+        """The run's producer: one route per generating policy, no weight polling (each adapter
+        pushes its own versions), back-pressure from ``live_cursor``."""
+        from miles_core.rollout.producer import PolicyRoute
 
-        ml, shared = self.cfg.multi_lora, self.shared
+        ml = self.cfg.multi_lora
         if ml.rollout_source == "per_adapter":
             routes = [PolicyRoute(n, self.adapters[n].engine) for n in self.names]
         elif ml.lead_adapter is not None:
             routes = [PolicyRoute(ml.lead_adapter, self.adapters[ml.lead_adapter].engine)]
         else:
-            routes = [PolicyRoute(None, shared.engine)]
+            routes = [PolicyRoute(None, self.rollouts.engine)]
         a, batch = self.cfg.async_rollout, self.cfg.rollout.rollout_batch_size
         if ml.rollout_source == "per_adapter":
             # an adapter's batch is spread over about N * batch groups of the stream (plus a partly
@@ -129,14 +171,29 @@ class MultiLoraRun:
             capacity = max(round(a.buffer_capacity_factor * batch * n), n * (batch + a.segment_max_groups))
         else:
             capacity = max(1, round(a.buffer_capacity_factor * batch))
-        producer = RolloutProducer(
-            shared.cfg, shared.engine, _PromptSupply(shared), shared.score, shared.stream, shared.layout, None,
-            replace(shared.sampling, seed=self.cfg.seed * 1_000_003), consumer=self.live_cursor,
-            custom_generate=shared.custom_generate, tokenizer=shared.tokenizer, routes=routes, capacity=capacity,
-            version_stamp=self.version_stamp if ml.rollout_source == "shared" else None,
+        self.producer = self.rollouts.producer(
+            SourcePrompts(self.rollouts), self.files.stream, None, consumer=self.live_cursor, routes=routes,
+            capacity=capacity, version_stamp=self.version_stamp if ml.rollout_source == "shared" else None,
         )
-        shared.__dict__["producer"] = producer
-        return producer
+        return self.producer
+
+    def run_producer(self) -> dict[str, Any]:
+        """Run the producer until ``stop_producer``; its exception is kept for ``check_producer``."""
+        producer = self.producer or self.build_producer()
+        try:
+            return asdict(self.loop.run(producer.run()))
+        except BaseException as e:
+            self._producer_error = e
+            raise
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.request_stop()
+
+    def check_producer(self) -> None:
+        """Raise the producer's own exception if it died (every adapter's feed calls this as it waits)."""
+        if self._producer_error is not None:
+            raise self._producer_error
 
     # -- adapters
 
@@ -144,19 +201,24 @@ class MultiLoraRun:
         """Adapter ``name`` is done (``error`` None) or failed: it no longer holds the producer back."""
         with self._lock:
             self.finished[name] = error
-        session = self.adapters[name]
-        if "_feed" in session.__dict__:
-            session._feed.close()
+        self.adapters[name].training.close_feed()
 
     @property
     def failed(self) -> dict[str, str]:
         with self._lock:
             return {n: e for n, e in self.finished.items() if e is not None}
 
+    def finish(self, summary: dict[str, Any]) -> None:
+        """End the run's sample stream and write ``summary.json``."""
+        self.files.stream.close()
+        self.layout.write_json("summary.json", summary)
+
     def close(self) -> None:
         for session in self.adapters.values():
             session.close()
-        self.shared.close()
+        self.evals.close()
+        self.rollouts.close()
+        self.loop.close()
 
 
 _RUNS = RunRegistry(MultiLoraRun)
@@ -172,12 +234,12 @@ def close_multi_lora_run(refs: RunRefs) -> None:
 
 def adapter_summary(session: AdapterSession, before: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
     """One adapter's line of the run summary: status, accuracy before and after, its curve."""
-    evals = session.eval_rows
+    evals = session.history.eval_rows
     return {
         "name": session.name,
         "status": "failed" if error else "completed",
         "error": error,
-        "steps": len(session.metrics_rows),
+        "steps": len(session.history.metrics_rows),
         "final_version": session.weights.latest(),
         "accuracy_before": before["accuracy"] if before else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,

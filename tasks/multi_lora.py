@@ -15,9 +15,7 @@ from tasks.slots import device_slots
 @task(name="multi-lora-producer", cache_policy=NO_CACHE, task_run_name="rollout-producer")
 def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
     """Generate for every adapter into the run's sample stream until the flow stops the producer."""
-    run = get_multi_lora_run(cfg, refs)
-    run.build_producer()
-    return run.shared.run_producer()  # on the slots the flow holds for the run
+    return get_multi_lora_run(cfg, refs).run_producer()  # on the slots the flow holds for the run
 
 
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
@@ -29,7 +27,7 @@ def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
 def evaluate_base(cfg: RunConfig, refs: RunRefs) -> dict[str, float]:
     """The base model on the held-out prompts: every adapter's version 0."""
     with device_slots(cfg, "rollout"):  # on the rollout engine: covered by the run's slots
-        return get_multi_lora_run(cfg, refs).shared.evaluate(0)
+        return get_multi_lora_run(cfg, refs).evaluate_base()
 
 
 @task(name="train-adapter", cache_policy=NO_CACHE, task_run_name="train-{name}-{step}")
@@ -38,7 +36,7 @@ def train_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> TrainR
     the engine by name."""
     session = get_multi_lora_run(cfg, refs).adapters[name]
     with device_slots(cfg, "train"):
-        ref = session.train_from_stream(step, warn=get_run_logger().warning)
+        ref = session.training.train_from_stream(step, warn=get_run_logger().warning)
     ref.metrics["push_seconds"] = session.push_weights(ref.weights_uri, ref.version)
     return ref
 
@@ -53,4 +51,4 @@ def evaluate_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> dic
 @task(name="save-adapter-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-{name}-step-{step}")
 def save_adapter_checkpoint(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> str:
     run = get_multi_lora_run(cfg, refs)
-    return run.adapters[name].save_checkpoint(step, run.shared.source.state())
+    return run.adapters[name].save_checkpoint(step, run.rollouts.source.state())

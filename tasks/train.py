@@ -30,18 +30,18 @@ def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
 @task(name="rollout", cache_policy=NO_CACHE, task_run_name="rollout-{step}")
 def rollout(cfg: RunConfig, refs: RunRefs, step: int) -> RolloutRef:
     with device_slots(cfg, "rollout"):
-        return get_session(cfg, refs).rollout(step)
+        return get_session(cfg, refs).rollouts.rollout(step)
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{rollout_ref.step}")
 def train_step(cfg: RunConfig, refs: RunRefs, rollout_ref: RolloutRef) -> TrainRef:
     with device_slots(cfg, "train"):
-        return get_session(cfg, refs).train(rollout_ref)
+        return get_session(cfg, refs).training.train(rollout_ref)
 
 
 @task(name="push-weights", cache_policy=NO_CACHE, task_run_name="push-weights-v{train_ref.version}")
 def push_weights(cfg: RunConfig, refs: RunRefs, train_ref: TrainRef) -> float:
-    return get_session(cfg, refs).push_weights(train_ref.weights_uri, train_ref.version)
+    return get_session(cfg, refs).rollouts.push_weights(train_ref.weights_uri, train_ref.version)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
@@ -55,7 +55,7 @@ def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
 def evaluate_version(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> dict[str, float]:
     """Evaluate weights ``version`` on the run's separate evaluation engine (pinned while in use)."""
     with device_slots(cfg, "eval"):
-        return get_session(cfg, refs).evaluate_version(step, version)
+        return get_session(cfg, refs).evals.evaluate_version(step, version)
 
 
 @task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
@@ -63,15 +63,8 @@ def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: Rollo
     return get_session(cfg, refs).save_checkpoint(step, rollout_ref.source_state)
 
 
-@task(name="rollout-producer", cache_policy=NO_CACHE, task_run_name="rollout-producer")
-def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
-    """Fully async: generate into the sample stream until the flow stops the producer (on the
-    slots the flow holds for the run)."""
-    return get_session(cfg, refs).run_producer()
-
-
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{step}")
 def train_from_stream(cfg: RunConfig, refs: RunRefs, step: int) -> TrainRef:
-    """Fully async: wait for a batch of groups from the producer and train on it (on the slots the
-    flow holds for the run)."""
-    return get_session(cfg, refs).train_from_stream(step, warn=get_run_logger().warning)
+    """Fully async: wait for a batch of groups from the fleet's streams and train on it (on the slots
+    the flow holds for the run)."""
+    return get_session(cfg, refs).training.train_from_stream(step, warn=get_run_logger().warning)

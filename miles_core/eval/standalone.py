@@ -23,7 +23,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from miles_core.config import REDACTED, EvalDatasetConfig, RunConfig, dataset_tables
-from miles_core.run import RunRefs, RunSession
+from miles_core.session.evals import Evaluator
+from miles_core.session.history import RunHistory
+from miles_core.session.parts import EngineLoop, RunFiles, setup_tokenizer
+from miles_core.session.refs import RunRefs
 
 HISTORY_FILE = "eval_history.parquet"
 
@@ -72,20 +75,21 @@ def open_run(run_dir: str, storage_options: dict[str, Any] | None = None) -> tup
     return cfg, RunRefs(run_id=run_id, run_dir=layout.run_dir, model_dir=str(model_dir))
 
 
-def _step_of(session: RunSession, version: int) -> int | None:
+def _step_of(files: RunFiles, version: int) -> int | None:
     """The training step that published ``version`` (None: not in this run's metrics)."""
-    steps = [int(r["step"]) for r in session.layout.read_jsonl("metrics.jsonl") if int(r.get("version", -1)) == version]
+    steps = [int(r["step"]) for r in files.layout.read_jsonl("metrics.jsonl") if int(r.get("version", -1)) == version]
     return steps[-1] if steps else None
 
 
-def _evaluate_session(session: RunSession, version: int | None, adapter: str | None) -> dict[str, Any]:
-    latest = session.weights.latest() or 0
+def _evaluate(evals: Evaluator, files: RunFiles, refs: RunRefs, version: int | None,
+              adapter: str | None) -> dict[str, Any]:
+    latest = files.weights.latest() or 0
     version = latest if version is None else version
     if version > latest:
-        raise ValueError(f"{session.refs.run_dir}: version {version} is not published (newest: {latest})")
-    step = _step_of(session, version)
-    metrics = session.evaluate_version(step if step is not None else -1, version, record=False)
-    return {"evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_id": session.refs.run_id,
+        raise ValueError(f"{refs.run_dir}: version {version} is not published (newest: {latest})")
+    step = _step_of(files, version)
+    metrics = evals.evaluate_version(step if step is not None else -1, version, record=False)
+    return {"evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_id": refs.run_id,
             "adapter": adapter, "version": version, "step": step, **{k: v for k, v in metrics.items() if k != "step"}}
 
 
@@ -111,12 +115,14 @@ def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict
         refs = open_run(run_dir, storage_options)[1]
     if datasets is not None:
         cfg = with_eval_datasets(cfg, datasets)
-    if cfg.multi_lora is None:
-        session = RunSession(cfg, refs)
+    if cfg.multi_lora is None:  # only the evaluator of the run: no rollout engine, no trainer
+        files, loop = RunFiles.open(cfg, refs), EngineLoop()
+        evals = Evaluator(cfg, refs, loop, files.weights, RunHistory(files.layout), lambda: setup_tokenizer(refs))
         try:
-            return [_evaluate_session(session, version, None)]
+            return [_evaluate(evals, files, refs, version, None)]
         finally:
-            session.close()
+            evals.close()
+            loop.close()
     if version is not None:
         raise ValueError("a multi-LoRA run has one version counter per adapter: evaluate it without a version")
     run = MultiLoraRun(cfg, refs)
@@ -124,7 +130,8 @@ def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict
         rows = []
         for name, session in run.adapters.items():
             t0 = time.perf_counter()
-            rows.append(_evaluate_session(session, None, name) | {"eval_seconds": time.perf_counter() - t0})
+            rows.append(_evaluate(session.evals, session.files, session.refs, None, name)
+                        | {"eval_seconds": time.perf_counter() - t0})
         return rows
     finally:
         run.close()

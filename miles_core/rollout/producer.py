@@ -760,3 +760,32 @@ class RolloutProducer:
 
 def _describe(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+class ProducerMeter:
+    """Throughput and idle share of an in-process producer since the last call (one meter per
+    trainer that reports them; a fleet's trainer reads heartbeats instead: ``Fleet.metrics``)."""
+
+    def __init__(self, producer: Callable[[], RolloutProducer | None]) -> None:
+        self.producer = producer
+        self._seen = (time.monotonic(), 0, 0.0)
+
+    def __call__(self) -> dict[str, float]:
+        producer = self.producer()
+        if producer is None:
+            return {}
+        stats, scheduler = producer.stats, producer.scheduler
+        now = time.monotonic()
+        idle = scheduler.idle_seconds() if scheduler is not None else 0.0
+        t_prev, samples_prev, idle_prev = self._seen
+        self._seen = (now, stats.samples_finished, idle)
+        span = max(now - t_prev, 1e-9)
+        return {
+            "async/producer_throughput_qps": (stats.samples_finished - samples_prev) / span,
+            "async/producer_idle_fraction": min(1.0, (idle - idle_prev) / span),
+            "async/in_flight_samples": float(scheduler.in_flight if scheduler is not None else 0),
+            "async/weight_updates": float(stats.weight_updates),
+            "async/groups_filtered": float(sum(stats.groups_filtered.values())),
+            "async/samples_failed": float(stats.samples_failed),
+            "async/generation_errors": float(stats.generation_errors),
+        }

@@ -1,7 +1,7 @@
 """One rollout producer of a fleet, built from (config, run folder, producer id) alone.
 
 - ``run_fleet_producer(cfg, refs, producer_id)``: builds its own engine, tokenizer and reward (a
-  ``RunSession`` of this process, in no registry), claims prompts from the run's prompt log,
+  ``RolloutSide``: the run's generating parts, nothing of the trainer's), claims prompts from the run's prompt log,
   writes ``samples/rollout-<id>/``, heartbeats to ``fleet/producers/<id>.json``, and runs until the
   run folder says stop (or ``cancel`` is set, or the process that launched it is gone). On its
   way out it gives back the prompts it claimed and never started; on failure its heartbeat says
@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, ProducerFenced, stream_name
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from miles_core.config import RunConfig
     from miles_core.rollout.generate import PromptItem
     from miles_core.rollout.producer import RolloutProducer
-    from miles_core.run import RunRefs
+    from miles_core.session.refs import RunRefs
 
 
 class ClaimedPrompts:
@@ -137,8 +137,8 @@ class ProducerLink:
 def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cancel: threading.Event | None = None,
                        flow_run_id: str | None = None, parent_pid: int | None = None, log=print) -> dict[str, Any]:
     """Run producer ``producer_id`` of the run until the run folder says stop; returns its stats."""
-    from miles_core.rollout.producer import RolloutProducer
-    from miles_core.run import RunSession
+    from miles_core.session.parts import EngineLoop, RunFiles
+    from miles_core.session.rollouts import RolloutSide
 
     a = cfg.async_rollout
     opts = cfg.storage.storage_options
@@ -147,19 +147,15 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
                         cancel, parent_pid)
     link.beat()
     starting = link.beat_while_starting()
-    session = RunSession(cfg, refs)
+    files, loop = RunFiles.open(cfg, refs), EngineLoop()
+    side = RolloutSide(cfg, refs, files, loop)
     try:
-        source = session.source
-        prompt_log = PromptLog(refs.run_dir, opts, draw=source.draw)
-        prompts = ClaimedPrompts(prompt_log, producer_id, session.render_rows, a.prompt_claim_size)
-        stream = session.stream.sibling(stream_name(producer_id))
-        producer = RolloutProducer(
-            cfg, session.engine, prompts, session.score, stream, session.layout, session.weights,
-            replace(session.sampling, seed=cfg.seed * 1_000_003), custom_generate=session.custom_generate,
-            tokenizer=session.tokenizer, link=link, state_file=f"state/producer-{producer_id}.json",
-            partial_stream=f"partial-{producer_id}",
-        )
-        log(f"producer {producer_id}: writing {stream.uri} (engine at weights v{session.engine.weight_version})")
+        prompt_log = PromptLog(refs.run_dir, opts, draw=side.source.draw)
+        prompts = ClaimedPrompts(prompt_log, producer_id, side.render_rows, a.prompt_claim_size)
+        stream = files.stream.sibling(stream_name(producer_id))
+        producer = side.producer(prompts, stream, files.weights, link=link,
+                                 state_file=f"state/producer-{producer_id}.json", partial_stream=f"partial-{producer_id}")
+        log(f"producer {producer_id}: writing {stream.uri} (engine at weights v{side.engine.weight_version})")
 
         def stopped(stats, why: str) -> dict[str, Any]:
             """Give back what was claimed and never started, say ``stopped``."""
@@ -171,7 +167,7 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
             return asdict(stats)
 
         try:
-            return stopped(_run_until_stopped(session, producer, link), "stopped")
+            return stopped(_run_until_stopped(loop, producer, link), "stopped")
         except Exception:
             raise
         except BaseException:  # cancelled or interrupted: the producer stopped cleanly before this propagates
@@ -184,16 +180,16 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
         raise
     finally:
         starting.set()
-        session.close()
+        side.close()
+        loop.close()
 
 
-def _run_until_stopped(session, producer: RolloutProducer, link: ProducerLink):
-    """Run the producer on the session's loop; an interruption of this thread (Ctrl-C, a Prefect
+def _run_until_stopped(loop, producer: RolloutProducer, link: ProducerLink):
+    """Run the producer on the engines' loop; an interruption of this thread (Ctrl-C, a Prefect
     cancellation) stops it cleanly (whole segments only) before it propagates."""
     import asyncio
 
-    session.engine  # noqa: B018 (builds the loop with the engine)
-    future = asyncio.run_coroutine_threadsafe(producer.run(), session.loop)
+    future = asyncio.run_coroutine_threadsafe(producer.run(), loop.loop)
     try:
         return future.result()
     except BaseException:

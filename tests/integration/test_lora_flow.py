@@ -29,16 +29,16 @@ def closing_sessions(monkeypatch):
     def close_and_keep(refs):
         session = run._SESSIONS.live.get(refs.run_dir)
         if session is not None:
-            trainer = session.trainer
+            trainer = session.training.trainer
             # a launched trainer's model lives in its ranks, out of reach here: for it the test
             # checks the engine's base and the published adapters only
             model = getattr(trainer, "model", None)
             seen.append({
                 "trainer_base": _base_of(model) if model is not None else None,
-                "engine_base": _base_of(session.engine.engine._base),  # PEFT wraps its modules in place
-                "engine_adapters": session.engine.adapters,
-                "eval_engine_base": _base_of(session.eval_engine.engine._base),
-                "eval_engine_version": session.eval_engine.weight_version,
+                "engine_base": _base_of(session.rollouts.engine.engine._base),  # PEFT wraps its modules in place
+                "engine_adapters": session.rollouts.engine.adapters,
+                "eval_engine_base": _base_of(session.evals.engine.engine._base),
+                "eval_engine_version": session.evals.engine.weight_version,
             })
         run.close_session(refs)
 

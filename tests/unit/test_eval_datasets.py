@@ -11,7 +11,7 @@ import pytest
 
 from miles_core.cli import build_parser, resolve_config
 from miles_core.config import EvalConfig, EvalDatasetConfig, FileDataConfig, RolloutConfig, RunConfig, ToyDataConfig
-from miles_core.eval.metrics import eval_row
+from miles_core.metrics import eval_row
 
 
 def _cli(*argv: str) -> RunConfig:

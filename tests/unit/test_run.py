@@ -22,7 +22,7 @@ def _cfg(model_dir, root: str) -> RunConfig:
 
 
 def _prompts(session: RunSession, offset: int) -> list[str]:
-    return [s.prompt for s in session.stream.read_segment(offset).samples()]
+    return [s.prompt for s in session.files.stream.read_segment(offset).samples()]
 
 
 def test_rollout_train_push_hand_back_references(tiny_model_dir):
@@ -30,13 +30,13 @@ def test_rollout_train_push_hand_back_references(tiny_model_dir):
     refs = prepare_run(cfg, log=lambda *_: None)
     session = RunSession(cfg, refs)
     try:
-        r = session.rollout(0)
+        r = session.rollouts.rollout(0)
         assert (r.offset, r.num_samples) == (0, 8)
-        t = session.train(r)
+        t = session.training.train(r)
         assert t.version == 1 and t.weights_uri == session.weights.uri(1)
-        session.push_weights(t.weights_uri, t.version)
-        assert session.engine.weight_version == 1
-        assert session.stream.reader("trainer").cursor == 0  # the trainer committed what it consumed
+        session.rollouts.push_weights(t.weights_uri, t.version)
+        assert session.rollouts.engine.weight_version == 1
+        assert session.files.stream.reader("trainer").cursor == 0  # the trainer committed what it consumed
     finally:
         session.close()
 
@@ -47,11 +47,11 @@ def test_a_rebuilt_session_continues_the_prompt_order(tiny_model_dir):
     straight = RunSession(cfg, prepare_run(cfg, log=lambda *_: None))
     first = RunSession(cfg, refs := prepare_run(cfg, log=lambda *_: None))
     try:
-        expected = [_prompts(straight, straight.rollout(k).offset) for k in range(2)]
-        assert _prompts(first, first.rollout(0).offset) == expected[0]
+        expected = [_prompts(straight, straight.rollouts.rollout(k).offset) for k in range(2)]
+        assert _prompts(first, first.rollouts.rollout(0).offset) == expected[0]
         first.close()
         again = RunSession(cfg, refs)  # e.g. a retried task in a fresh process
-        assert _prompts(again, again.rollout(1).offset) == expected[1]
+        assert _prompts(again, again.rollouts.rollout(1).offset) == expected[1]
         again.close()
     finally:
         straight.close()
@@ -67,11 +67,11 @@ def test_resume_goes_back_to_the_newest_checkpoint_and_redoes_the_same_step(tiny
     refs = prepare_run(cfg, log=lambda *_: None)
     first = RunSession(cfg, refs)
     try:
-        r = first.rollout(0)
-        first.record(1, {"version": first.train(r).version})
+        r = first.rollouts.rollout(0)
+        first.history.record(1, {"version": first.training.train(r).version})
         first.save_checkpoint(1, r.source_state)
-        r = first.rollout(1)
-        first.record(2, {"version": first.train(r).version})
+        r = first.rollouts.rollout(1)
+        first.history.record(2, {"version": first.training.train(r).version})
         prompts, weights = _prompts(first, r.offset), first.weights.load(2)
     finally:
         first.close()
@@ -79,13 +79,13 @@ def test_resume_goes_back_to_the_newest_checkpoint_and_redoes_the_same_step(tiny
     again = RunSession(cfg, refs)
     try:
         assert again.resume() == 1
-        assert again.weights.versions() == [1] and again.trainer.version == 1
-        assert [row["step"] for row in again.metrics_rows] == [1]
-        assert again.layout.read_jsonl("metrics.jsonl") == again.metrics_rows
-        redo = again.rollout(1)
+        assert again.weights.versions() == [1] and again.training.trainer.version == 1
+        assert [row["step"] for row in again.history.metrics_rows] == [1]
+        assert again.layout.read_jsonl("metrics.jsonl") == again.history.metrics_rows
+        redo = again.rollouts.rollout(1)
         assert redo.offset == 2  # the first step 2's segment stays in the stream as history
         assert _prompts(again, redo.offset) == prompts
-        assert again.train(redo).version == 2
+        assert again.training.train(redo).version == 2
         assert all(torch.equal(t, weights[k]) for k, t in again.weights.load(2).items())
     finally:
         again.close()
@@ -96,7 +96,7 @@ def test_a_run_with_steps_but_no_checkpoint_refuses_to_resume(tiny_model_dir):
     refs = prepare_run(cfg, log=lambda *_: None)
     session = RunSession(cfg, refs)
     assert session.resume() is None  # a fresh run
-    session.record(1, {"loss": 0.1})
+    session.history.record(1, {"loss": 0.1})
     with pytest.raises(RuntimeError, match=r"already has training steps.*no checkpoint.*new run id.*--save-interval"):
         RunSession(cfg, refs).resume()
 

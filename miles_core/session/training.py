@@ -1,0 +1,134 @@
+"""The training side of a run: its trainer, and in a fully-async run the feed it trains from.
+
+``TrainerSide`` trains a sync or async run's segment (``train``) or the next batch of a fully-async
+run's streams (``train_from_stream``), and publishes each new version to the weight store. What it
+reads in a fully-async run: the run's fleet (``fleet``: every producer's stream, whose dead
+producers' fences it respects), or one stream under its own reader name through a view (a
+multi-LoRA adapter: ``reader``, ``view``, ``producer_check``, ``producer_metrics``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from miles_core.config import RunConfig
+from miles_core.rollout.generate import rollout_metrics
+from miles_core.session.parts import RunFiles, built_once, is_built
+from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
+from miles_core.types import Group
+
+if TYPE_CHECKING:
+    from miles_core.rollout.consumer import GroupFeed, GroupView
+    from miles_core.rollout.supervisor import Fleet
+
+
+class TrainerSide:
+    def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles, *, reader: str = "trainer",
+                 view: GroupView | None = None, producer_check: Callable[[], None] = lambda: None,
+                 producer_metrics: Callable[[], dict[str, float]] = dict) -> None:
+        self.cfg, self.refs, self.files = cfg, refs, files
+        self.reader, self.view = reader, view
+        self.producer_check, self.producer_metrics = producer_check, producer_metrics
+        self.fleet: Fleet | None = None
+        """Fully async: the run's rollout fleet, whose streams the feed reads (``use_fleet``)."""
+
+    @built_once
+    def trainer(self):
+        from miles_core.train import setup_trainer
+
+        return setup_trainer(
+            self.cfg.train, self.refs.model_dir, self.files.weights, self.cfg.model.dtype, lora=self.cfg.lora,
+            storage_options=self.cfg.storage.storage_options,
+        )
+
+    def use_fleet(self, fleet: Fleet) -> None:
+        """Train on ``fleet``'s streams: its checks, its recycling and its metrics."""
+        self.fleet = fleet
+        self.producer_check, self.producer_metrics = fleet.check, fleet.metrics
+
+    def weights_uri(self, version: int) -> str:
+        """Where the policy of ``version`` is: its snapshot, or the starting model for version 0."""
+        return self.files.weights.uri(version) if version > 0 else self.refs.model_dir
+
+    def train(self, rollout: RolloutRef) -> TrainRef:
+        """Read the rollout's segment, compute GRPO advantages, step the trainer, publish weights."""
+        from miles_core.types import regroup
+
+        t0 = time.perf_counter()
+        groups = regroup(self.files.stream.read_segment(rollout.offset).samples())
+        ref = self.train_groups(rollout.step, groups)
+        self.files.stream.reader(self.reader).commit(rollout.offset)
+        ref.metrics["train_seconds"] = time.perf_counter() - t0
+        return ref
+
+    def train_groups(self, step: int, groups: list[Group]) -> TrainRef:
+        """One training step on ``groups``: advantages, optimizer step(s), publish the new version.
+        Metrics include how stale the groups were (versions between the trainer and their oldest span)."""
+        from miles_core.rollout.buffer import group_lag
+        from miles_core.train.base import TrainBatch
+
+        t0 = time.perf_counter()
+        lags = [group_lag(g, self.trainer.version) for g in groups]
+        batch = TrainBatch.from_groups(groups, self.cfg.rollout.rollout_temperature, loss=self.cfg.train.loss)
+        metrics = self.trainer.step(batch)
+        version = self.trainer.version
+        if metrics["num_optimizer_steps"] > 0:
+            uri = self.trainer.export(version)
+        else:  # nothing trainable in this batch (e.g. every sample failed): the engine keeps its weights
+            uri = self.weights_uri(version)
+        seconds = time.perf_counter() - t0
+        metrics.update(
+            train_seconds=seconds,
+            train_tokens_per_s=metrics.get("train_tokens", 0.0) / max(seconds, 1e-9),
+            staleness_mean=sum(lags) / max(len(lags), 1),
+            staleness_max=float(max(lags, default=0)),
+        )
+        return TrainRef(step=step, version=version, weights_uri=uri, metrics=metrics)
+
+    # -- fully async
+
+    def feed(self, warn=None) -> GroupFeed:
+        """The trainer's side of the stream (built once; ``warn`` receives no-progress warnings)."""
+        if not is_built(self, "_feed"):
+            from miles_core.rollout.buffer import make_buffer
+            from miles_core.rollout.consumer import GroupFeed
+
+            a = self.cfg.async_rollout
+            capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
+            buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
+            kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
+            if self.fleet is not None:
+                kwargs.update(streams=self.fleet.streams, recycle=self.fleet.recycle)
+            self.__dict__["_feed"] = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
+                                               read_ahead=a.read_ahead, producer_check=self.producer_check, **kwargs)
+        return self.__dict__["_feed"]
+
+    def train_from_stream(self, step: int, warn=None) -> TrainRef:
+        """Wait for ``rollout_batch_size`` trainable groups from the producers, train on them,
+        publish the new version (the producers load it), and report the step's async metrics."""
+        t0 = time.perf_counter()
+        feed = self.feed(warn)
+        batch = feed.next_batch(self.cfg.rollout.rollout_batch_size, self.trainer.version)
+        drained = time.perf_counter() - t0
+        ref = self.train_groups(step, batch.groups)
+        feed.commit()
+        metrics = ref.metrics
+        metrics.update(rollout_metrics(batch.groups))
+        metrics.update(batch.metrics)
+        metrics.update(self.producer_metrics())
+        metrics["async/consumer_drain_seconds"] = drained
+        metrics["trainer_wait_seconds"] = batch.wait_seconds
+        return ref
+
+    def close_feed(self) -> None:
+        """Stop reading (a multi-LoRA adapter that finished: it no longer holds the producer back)."""
+        if is_built(self, "_feed"):
+            self.__dict__["_feed"].close()
+
+    def close(self) -> None:
+        self.close_feed()
+        close_trainer = getattr(self.__dict__.get("trainer"), "close", None)
+        if close_trainer is not None:  # a multi-process trainer stops its worker processes
+            close_trainer()
