@@ -2,7 +2,9 @@
 training flow's, each with its own transformers engine) talk to the trainer only through the run
 folder. One is killed with SIGKILL mid-run: the trainer notices, gives its unwritten prompts back
 to the pool, launches a replacement, and the run completes and learns, with every prompt generated
-at most once per attempt and none lost (asserted on the prompt log and the segments)."""
+at most once per attempt and none lost (asserted on the prompt log and the segments). A third
+producer, started by hand with the worker's own command while the run goes on, joins it: the
+trainer trains on what it writes."""
 
 from __future__ import annotations
 
@@ -62,6 +64,9 @@ def assert_prompts_exactly_once(run_dir: str, storage_options: dict | None = Non
 def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backend, demo_model, tmp_path):
     from flows.train import train
     from miles_core.rollout.fleet import ControlPlane
+    from miles_core.rollout.worker import SubprocessLauncher
+    from miles_core.run import RunRefs
+    from miles_core.storage import SampleStream
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", run_id="fleet-kill",
                    rollout={"num_rollout": 14, "rollout_batch_size": 16},
@@ -81,9 +86,21 @@ def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backe
         killed["at_step"] = len(_rows(str(run_dir), "metrics.jsonl"))
         os.kill(beat.pid, signal.SIGKILL)
 
+    by_hand = SubprocessLauncher(cfg, RunRefs("fleet-kill", str(run_dir), demo_model))
+
+    def join_a_producer_by_hand():  # `python -m miles_core.rollout.worker --producer-id extra ...`
+        wait_for(lambda: (run_dir / "fleet" / "producers" / "p0.json").exists(), 120, "the fleet's first heartbeat")
+        by_hand.launch("extra")
+
     killer = threading.Thread(target=kill_p1_after_three_steps, daemon=True)
+    joiner = threading.Thread(target=join_a_producer_by_hand, daemon=True)
     killer.start()
-    state = train(cfg, return_state=True)
+    joiner.start()
+    try:
+        state = train(cfg, return_state=True)
+    finally:
+        joiner.join(timeout=5)
+        extra_exit = by_hand.procs["extra"].wait(timeout=60) if "extra" in by_hand.procs else None
     killer.join(timeout=5)
     assert state.is_completed(), state
     summary = state.result()
@@ -91,9 +108,13 @@ def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backe
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.1, summary
 
     producers = summary["producers"]
-    assert set(producers) == {"p0", "p1", "p2"}, producers  # p2 replaced the killed p1
+    assert set(producers) == {"p0", "p1", "p2", "extra"}, producers  # p2 replaced the killed p1
     assert producers["p1"]["fenced_at"] is not None and producers["p1"]["pid"] == killed["pid"]
     assert producers["p0"]["status"] == producers["p2"]["status"] == "stopped"
+    # the producer started by hand joined: it wrote, the trainer read it, and the run's stop ended it
+    assert producers["extra"]["status"] == "stopped" and extra_exit == 0, (producers["extra"], extra_exit)
+    assert producers["extra"]["groups_written"] > 0, producers["extra"]
+    assert SampleStream(str(run_dir), producer="rollout-extra").reader("trainer").cursor >= 0
     # (whether p2 got to write before the end depends on how fast it loads its engine here)
     counts = assert_prompts_exactly_once(str(run_dir))
     assert counts["groups_written"] >= 14 * 16
