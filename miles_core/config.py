@@ -28,7 +28,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 
 class _Base(BaseModel):
@@ -47,33 +47,33 @@ class TinyModelRecipe(_Base):
     right in some samples, which RL can learn to fix. The recipe's hash names the cache folder, so
     changing any field builds a new model once."""
 
-    hidden_size: int = 128
+    hidden_size: int = Field(default=128, ge=1)
     """Width of the residual stream."""
-    num_layers: int = 2
+    num_layers: int = Field(default=2, ge=1)
     """Number of transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = Field(default=4, ge=1)
     """Attention heads (key/value heads are the same number)."""
-    intermediate_size: int = 256
+    intermediate_size: int = Field(default=256, ge=1)
     """Width of the MLP."""
-    sft_steps: int = 3000
+    sft_steps: int = Field(default=3000, ge=0)
     """Optimizer steps of the warm start's first phase (true sums)."""
-    sft_mistake_steps: int = 400
+    sft_mistake_steps: int = Field(default=400, ge=0)
     """Optimizer steps of the warm start's second phase (carry-free mistake; 0: no such phase)."""
     sft_carry_free_share: float = Field(default=0.8, ge=0.0, le=1.0)
     """In the second phase, the probability that a carry problem drawn into a batch is labelled
     with its carry-free sum."""
-    sft_mistake_lr: float = 1e-3
+    sft_mistake_lr: float = Field(default=1e-3, gt=0)
     """Peak learning rate of the second phase (lower than ``sft_lr`` so the mistake stays a habit
     that sampling still sometimes breaks, rather than a certainty)."""
-    sft_batch_size: int = 64
+    sft_batch_size: int = Field(default=64, ge=1)
     """Examples per warm-start step."""
-    sft_lr: float = 3e-3
+    sft_lr: float = Field(default=3e-3, gt=0)
     """Peak learning rate of the first phase (short warmup, cosine decay to 0)."""
-    sft_examples: int = 2000
+    sft_examples: int = Field(default=2000, ge=1)
     """Distinct problems in the warm-start corpus (from the toy task's ``sft`` split)."""
-    max_operand: int = 99
+    max_operand: int = Field(default=99, ge=1)
     """Operand range 0..max_operand of the warm-start corpus."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     """Seed of the weights init and of the warm-start data."""
 
 
@@ -118,11 +118,11 @@ class ToyDataConfig(_Base):
     """The synthetic addition task: ``"37+45="`` is answered ``"82"``; exact match scores 1."""
 
     type: Literal["toy"] = "toy"
-    num_prompts: int = 4096
+    num_prompts: int = Field(default=4096, ge=1)
     """Distinct training problems generated (deterministically from ``seed``)."""
-    max_operand: int = 99
+    max_operand: int = Field(default=99, ge=1)
     """Operands are drawn from 0..max_operand."""
-    seed: int = 1
+    seed: int = Field(default=1, ge=0)
     """Seed of the generated problems (held-out problems never overlap them)."""
 
 
@@ -135,23 +135,23 @@ DataConfig = Annotated[Union[FileDataConfig, ToyDataConfig], Field(discriminator
 class RolloutConfig(_Base):
     """What one rollout step generates and how it is scored."""
 
-    num_rollout: int = 60
+    num_rollout: int = Field(default=60, ge=1)
     """Rollout steps (and so training iterations) in the run."""
-    rollout_batch_size: int = 32
+    rollout_batch_size: int = Field(default=32, ge=1)
     """Prompts per rollout step."""
-    n_samples_per_prompt: int = 8
+    n_samples_per_prompt: int = Field(default=8, ge=1)
     """Responses sampled per prompt (the GRPO group size)."""
-    rollout_max_response_len: int = 8
+    rollout_max_response_len: int = Field(default=8, ge=1)
     """Maximum new tokens per response; longer responses are truncated and marked so."""
-    rollout_temperature: float = 1.0
+    rollout_temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature (0 means greedy)."""
-    rollout_top_p: float = 1.0
+    rollout_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    rollout_top_k: int = -1
+    rollout_top_k: int = Field(default=-1, ge=-1)
     """Top-k sampling (-1: off)."""
     rollout_stop: list[str] = Field(default_factory=list)
     """Stop strings; generation of a response ends after one of them."""
-    rollout_stop_token_ids: list[int] = Field(default_factory=list)
+    rollout_stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     """Stop token ids besides the tokenizer's end-of-sequence token."""
     rollout_shuffle: bool = True
     """Shuffle the prompt dataset each epoch (seeded by ``RunConfig.seed`` and the epoch)."""
@@ -220,7 +220,7 @@ class AsyncConfig(_Base):
     """fully_async: launch each producer as a flow run of this deployment (e.g. ``rollout/fleet``, on
     an inference work pool): children of the training run. None: a subprocess of the trainer's
     process on this machine."""
-    producer_cpu_affinity: list[int] | None = None
+    producer_cpu_affinity: list[NonNegativeInt] | None = None
     """fully_async, producers in child processes: the CPU cores they are pinned to (None: those of
     the trainer's process), so the producers' Python work stays off the trainer's cores."""
     producer_heartbeat_s: float = Field(default=1.0, gt=0)
@@ -250,9 +250,9 @@ class HFEngineConfig(_Base):
     type: Literal["hf"] = "hf"
     device: str = "cpu"
     """torch device of the engine's model."""
-    max_batch_size: int = 256
+    max_batch_size: int = Field(default=256, ge=1)
     """Sequences decoded together in one batch; concurrent ``generate`` calls share batches."""
-    num_threads: int | None = None
+    num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads for this process (None: leave torch's default)."""
 
 
@@ -274,7 +274,7 @@ class SGLangEngineConfig(_Base):
     num_threads: int | None = Field(default=None, ge=1)
     """Launched server: torch intra-op threads (None: as many as ``cpu_affinity`` lists, else
     torch's default)."""
-    cpu_affinity: list[int] | None = None
+    cpu_affinity: list[NonNegativeInt] | None = None
     """Launched server: the CPU cores its process is pinned to (None: not pinned), so that the
     trainer in this process and the engine do not share cores."""
     max_batch_size: int = Field(default=256, ge=1)
@@ -482,7 +482,7 @@ class TrainConfig(_Base):
 
     backend: TrainerBackendConfig = Field(default_factory=TorchTrainerConfig)
     """Trainer implementation."""
-    global_batch_size: int | None = None
+    global_batch_size: int | None = Field(default=None, ge=1)
     """Samples per optimizer step (None: the whole rollout batch, one step per rollout, unless
     ``num_steps_per_rollout`` is set)."""
     num_steps_per_rollout: int | None = Field(default=None, ge=1)
@@ -490,17 +490,17 @@ class TrainConfig(_Base):
     differ by at most one sample). An alternative to ``global_batch_size``; with both set, they
     must agree (``global_batch_size * num_steps_per_rollout`` = samples per batch). Steps after the
     first train on samples drawn by older weights: see the ``offpolicy_*`` metrics."""
-    micro_batch_size: int = 64
+    micro_batch_size: int = Field(default=64, ge=1)
     """Samples per forward/backward pass; gradients accumulate up to ``global_batch_size``."""
-    lr: float = 1e-4
+    lr: float = Field(default=1e-4, gt=0.0, le=1.0)
     """AdamW learning rate (constant). 1e-4 suits the tiny demo model; real models want ~1e-6."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     """AdamW beta1."""
-    adam_beta2: float = 0.99
+    adam_beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
     """AdamW beta2."""
-    clip_grad: float = 1.0
+    clip_grad: float = Field(default=1.0, ge=0.0)
     """Max global gradient norm (0: no clipping)."""
     loss: LossConfig = Field(default_factory=lambda: GRPOLossConfig())
     """Policy loss and the advantages it trains on (tagged by ``type``; see ``LossConfig``)."""
@@ -531,7 +531,7 @@ class TrainConfig(_Base):
     """Upper bound C of the importance ratio (truncated to C, or rejected above C)."""
     tis_clip_low: float = Field(default=0.0, ge=0)
     """Lower bound of the importance ratio (0: no lower bound)."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     """Seed of the trainer (shuffling of micro-batches, dropout, the LoRA adapter's initial A)."""
 
     @field_validator("loss", mode="before")
@@ -626,7 +626,7 @@ class EvalDatasetConfig(_Base):
 class EvalConfig(_Base):
     """Held-out evaluation of the policy: one dataset (``data``), or several named ones (``datasets``)."""
 
-    eval_interval: int | None = 20
+    eval_interval: int | None = Field(default=20, ge=1)
     """Evaluate every N training steps (None: only before and after training)."""
     data: DataConfig | None = None
     """Held-out prompts (None with toy data: toy problems disjoint from the training ones). Its
@@ -638,13 +638,13 @@ class EvalConfig(_Base):
     its row has every dataset's metrics as ``<name>/<metric>`` and the first dataset's also under
     the plain keys. ``--eval-prompt-data NAME PATH [NAME PATH ...]`` makes file datasets read with
     the training data's keys. Set this or ``data``."""
-    num_prompts: int = 256
+    num_prompts: int = Field(default=256, ge=1)
     """Held-out prompts evaluated (the first N)."""
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: int = Field(default=1, ge=1)
     """Responses per prompt (pass@k is reported for k up to this)."""
-    temperature: float = 0.0
+    temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of evaluation (0: greedy)."""
-    max_response_len: int | None = None
+    max_response_len: int | None = Field(default=None, ge=1)
     """Max new tokens (None: same as rollout)."""
     reward: str | None = None
     """Reward function of evaluation (None: same as rollout)."""
@@ -897,7 +897,7 @@ class RunConfig(_Base):
     """Execution mode. ``sync``: rollout k, then train k, then push weights k. ``async``: rollout
     k+1 runs while train k does (one step ahead). ``fully_async``: a producer generates for the
     whole run into the sample stream and the trainer consumes from it."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     """Seed of prompt order and sampling."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=ToyDataConfig)

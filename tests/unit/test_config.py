@@ -311,3 +311,43 @@ def test_in_run_evaluation_settings():
         RunConfig.model_validate(server)
     RunConfig.model_validate({**server, "eval": {"engine": "shared"}})
     RunConfig.model_validate({**server, "eval": {"engine_config": {"type": "sglang", "url": "http://127.0.0.1:30001"}}})
+
+
+def test_every_count_size_length_and_rate_has_a_bound():
+    """A bad number fails when the config is built, naming the field, not steps later (a
+    ``ZeroDivisionError`` at step 1, a run that trains nothing, NaN losses)."""
+    import inspect
+    import typing
+
+    import annotated_types as at
+    import pydantic
+
+    from miles_core import config
+
+    unbounded = []
+    for cname, model in inspect.getmembers(config, inspect.isclass):
+        if not issubclass(model, pydantic.BaseModel) or model.__module__ != config.__name__:
+            continue
+        for name, f in model.model_fields.items():
+            args = typing.get_args(f.annotation) or (f.annotation,)
+            items = [i for a in args for i in (typing.get_args(a) if typing.get_origin(a) is list else ())]
+            numbers = [a for a in (*args, *items) if a in (int, float)]
+            if numbers and not any(isinstance(m, (at.Ge, at.Gt, at.Le, at.Lt, at.Interval)) for m in f.metadata):
+                unbounded.append(f"{cname}.{name}")
+    assert not unbounded, f"numeric config fields without a bound: {unbounded}"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rollout.num_rollout", 0, "greater than or equal to 1"),
+    ("rollout.num_rollout", -3, "greater than or equal to 1"),
+    ("train.micro_batch_size", 0, "greater than or equal to 1"),
+    ("train.lr", -1e-4, "greater than 0"),
+    ("rollout.rollout_max_response_len", 0, "greater than or equal to 1"),
+    ("rollout.rollout_top_p", 1.5, "less than or equal to 1"),
+    ("rollout.rollout_stop_token_ids", [-1], "greater than or equal to 0"),
+])
+def test_out_of_range_numbers_are_refused_naming_the_field(field, value, message):
+    table, key = field.split(".")
+    with pytest.raises(ValueError) as error:
+        RunConfig.model_validate({table: {key: value}})
+    assert field in str(error.value) and message in str(error.value), str(error.value)
