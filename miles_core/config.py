@@ -157,6 +157,10 @@ class RolloutConfig(_Base):
     """Shuffle the prompt dataset each epoch (seeded by ``RunConfig.seed`` and the epoch)."""
     reward: str = "toy"
     """Reward function: a registered name (``toy``, ``math``, ``gsm8k``) or ``"module:function"``."""
+    reward_timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline of one reward call (a per-group function: of one group's call), in rollouts and
+    evaluations alike: a call that has not returned by then fails its sample (status FAILED, error
+    ``reward: timed out ...``) and scoring goes on."""
     reward_post_process_path: str | None = None
     """``"module:function"`` called as ``fn(groups)`` (sync or async) after scoring, to change
     rewards in place (e.g. a length penalty) before advantages are computed."""
@@ -502,6 +506,9 @@ class TrainConfig(_Base):
     """AdamW beta2."""
     clip_grad: float = Field(default=1.0, ge=0.0)
     """Max global gradient norm (0: no clipping)."""
+    max_skipped_steps: int = Field(default=3, ge=1)
+    """This many training steps in a row that change nothing (every sample's reward failed, or the
+    loss or gradient norm was not finite, so no optimizer step was applied) fail the run, saying why."""
     loss: LossConfig = Field(default_factory=lambda: GRPOLossConfig())
     """Policy loss and the advantages it trains on (tagged by ``type``; see ``LossConfig``)."""
     entropy_coef: float = Field(default=0.0, ge=0)

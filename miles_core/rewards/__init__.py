@@ -7,10 +7,15 @@
   one or imports ``"package.module:function"``. Built-ins: ``toy`` (exact match of the addition
   task, ``miles_core.data.toy``), ``math`` and ``gsm8k`` (``miles_core.rewards.math``), imported
   on first use.
-- ``score_groups(fn, groups)`` fills ``sample.reward``. It never raises for a reward's failure:
-  a sample whose reward raises (or is not a finite number) gets status FAILED, ``reward`` None and
-  ``error`` ``"reward: <ExcType>: <message>"``; a per-group function that raises fails its whole
-  group. Samples already ABORTED or FAILED (by generation) are skipped. ``RewardStats`` counts it all.
+- ``score_groups(fn, groups, timeout_s=60)`` fills ``sample.reward``. It never raises for a
+  reward's failure: a sample whose reward raises (or is not a finite number: NaN and infinities
+  never reach the advantages) gets status FAILED, ``reward`` None and ``error``
+  ``"reward: <ExcType>: <message>"``; a per-group function that raises fails its whole group.
+  Samples already ABORTED or FAILED (by generation) are skipped. ``RewardStats`` counts it all.
+- Every call has a deadline (``timeout_s``, ``rollout.reward_timeout_s``): a call that has not
+  returned by then fails its sample (a per-group call: its group) with ``reward: timed out after
+  N s``, and scoring goes on with the next one. A sync call cannot be interrupted: its thread (one
+  per group being scored, a daemon) is left behind, and whatever the call returns later is ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import numbers
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 # Not `import math`: importing the submodule miles_core.rewards.math rebinds that package attribute.
@@ -88,11 +95,13 @@ class RewardStats:
     """The first few reward errors, each prefixed with its group and sample index."""
 
 
-async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int = 64) -> RewardStats:
+async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int = 64,
+                       timeout_s: float = 60.0) -> RewardStats:
     """Score every scorable sample of ``groups`` in place; never raises for a reward's failure.
 
     ``max_concurrency`` bounds how many groups are scored at once (for a sync per-sample function,
-    each group's samples are scored one after another in one worker thread)."""
+    each group's samples are scored one after another in one worker thread); ``timeout_s`` is each
+    call's deadline."""
     stats = RewardStats()
     limit = asyncio.Semaphore(max_concurrency)
     per_group = getattr(fn, "per_group", False)
@@ -101,11 +110,11 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     async def score(samples: list[Sample]) -> None:
         async with limit:
             if per_group:
-                await _score_group(fn, samples, is_async)
+                await _score_group(fn, samples, is_async, timeout_s)
             elif is_async:
-                await asyncio.gather(*(_score_one_async(fn, s) for s in samples))
+                await asyncio.gather(*(_score_one_async(fn, s, timeout_s) for s in samples))
             else:
-                await asyncio.to_thread(lambda: [_score_one(fn, s) for s in samples])
+                await _score_in_thread(fn, samples, timeout_s)
 
     todo = []
     for group in groups:
@@ -125,35 +134,131 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     return stats
 
 
-def _score_one(fn: Callable[[Sample], Any], sample: Sample) -> None:
+class RewardTimeout(Exception):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"timed out after {timeout_s:g} s (rollout.reward_timeout_s)")
+
+
+class _Batch:
+    """Sync per-sample calls over some samples, one after another on a thread of their own; the
+    event loop watches the call in progress and gives up on the batch when one passes its deadline."""
+
+    def __init__(self, fn: Callable[[Sample], Any], samples: list[Sample]) -> None:
+        self.fn, self.samples = fn, samples
+        self.lock = threading.Lock()
+        self.index, self.started = 0, time.monotonic()  # the call in progress
+        self.abandoned = False
+
+    def run(self, done: Callable[[], None]) -> None:
+        try:
+            for i, sample in enumerate(self.samples):
+                with self.lock:
+                    if self.abandoned:
+                        return
+                    self.index, self.started = i, time.monotonic()
+                try:
+                    value, error = self.fn(sample), None
+                except Exception as e:
+                    value, error = None, e
+                with self.lock:
+                    if self.abandoned:  # the deadline passed: the sample is failed already
+                        return
+                    _settle(sample, value, error)
+        finally:
+            done()
+
+    def give_up(self, timeout_s: float) -> int:
+        """Fail the call in progress with a timeout; returns the index of the next sample to score."""
+        with self.lock:
+            self.abandoned = True
+            _fail(self.samples[self.index], RewardTimeout(timeout_s))
+            return self.index + 1
+
+
+async def _score_in_thread(fn: Callable[[Sample], Any], samples: list[Sample], timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    while samples:
+        finished = asyncio.Event()
+        batch = _Batch(fn, samples)
+        threading.Thread(target=batch.run, args=(_waker(loop, finished.set),), name="reward", daemon=True).start()
+        while not finished.is_set():
+            with batch.lock:
+                left = batch.started + timeout_s - time.monotonic()
+            if left <= 0:
+                samples = samples[batch.give_up(timeout_s):]  # the rest go on in a new thread
+                break
+            try:
+                await asyncio.wait_for(finished.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        else:
+            return
+
+
+def _waker(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> Callable[[], None]:
+    """``callback`` on ``loop``, from another thread (a thread left behind may finish after the loop closed)."""
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    return wake
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a daemon thread of its own (a call that never returns holds no pool's thread)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 (handed to the awaiting side)
+            result, error = None, e
+        _waker(loop, lambda: future.done() or (future.set_exception(error) if error else future.set_result(result)))()
+
+    threading.Thread(target=run, name="reward", daemon=True).start()
+    return await future
+
+
+def _settle(sample: Sample, value: Any, error: Exception | None) -> None:
+    if error is None:
+        try:
+            _set_reward(sample, value)
+            return
+        except Exception as e:
+            error = e
+    _fail(sample, error)
+
+
+async def _score_one_async(fn: Callable[[Sample], Any], sample: Sample, timeout_s: float) -> None:
     try:
-        _set_reward(sample, fn(sample))
+        _set_reward(sample, await asyncio.wait_for(fn(sample), timeout_s))
+    except asyncio.TimeoutError:
+        _fail(sample, RewardTimeout(timeout_s))
     except Exception as e:
         _fail(sample, e)
 
 
-async def _score_one_async(fn: Callable[[Sample], Any], sample: Sample) -> None:
+async def _score_group(fn: Callable[[list[Sample]], Any], samples: list[Sample], is_async: bool,
+                       timeout_s: float) -> None:
     try:
-        _set_reward(sample, await fn(sample))
-    except Exception as e:
-        _fail(sample, e)
-
-
-async def _score_group(fn: Callable[[list[Sample]], Any], samples: list[Sample], is_async: bool) -> None:
-    try:
-        rewards = await fn(samples) if is_async else await asyncio.to_thread(fn, samples)
-        rewards = list(rewards)
+        call = fn(samples) if is_async else _in_thread(fn, samples)
+        rewards = list(await asyncio.wait_for(call, timeout_s))
         if len(rewards) != len(samples):
             raise ValueError(f"per-group reward returned {len(rewards)} scores for {len(samples)} samples")
+    except asyncio.TimeoutError:
+        for s in samples:
+            _fail(s, RewardTimeout(timeout_s))
+        return
     except Exception as e:
         for s in samples:
             _fail(s, e)
         return
     for s, value in zip(samples, rewards):
-        try:
-            _set_reward(s, value)
-        except Exception as e:
-            _fail(s, e)
+        _settle(s, value, None)
 
 
 def _set_reward(sample: Sample, value: Any) -> None:

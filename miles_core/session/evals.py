@@ -98,7 +98,7 @@ class Evaluator:
         items = self.items[dataset.name]
         groups = self.loop.run(generate_groups(engine, items, dataset.n_samples_per_prompt, params, 0,
                                                seed=self.cfg.seed))
-        self.loop.run(score_groups(self.reward_fns[dataset.name], groups))
+        self.loop.run(score_groups(self.reward_fns[dataset.name], groups, timeout_s=r.reward_timeout_s))
         return eval_metrics(groups, engine.weight_version)
 
     def close(self) -> None:

@@ -108,7 +108,7 @@ class RolloutSide:
         """Score groups in place with the run's reward, then its reward post-processing."""
         from miles_core.rewards import post_process_rewards, score_groups
 
-        stats = await score_groups(self.reward_fn, groups)
+        stats = await score_groups(self.reward_fn, groups, timeout_s=self.cfg.rollout.reward_timeout_s)
         await post_process_rewards(self.reward_post_process, groups)
         return stats
 

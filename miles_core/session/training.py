@@ -5,10 +5,15 @@ run's streams (``train_from_stream``), and publishes each new version to the wei
 reads in a fully-async run: the run's fleet (``fleet``: every producer's stream, whose dead
 producers' fences it respects), or one stream under its own reader name through a view (a
 multi-LoRA adapter: ``reader``, ``view``, ``producer_check``, ``producer_metrics``).
+
+A step that changes nothing (every sample's reward failed, or the loss or gradient norm was not
+finite) publishes no version and is counted (``skipped_step`` in its metrics, a warning);
+``train.max_skipped_steps`` of them in a row raise ``SkippedSteps``, which names each and why.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,6 +28,12 @@ if TYPE_CHECKING:
     from miles_core.rollout.consumer import GroupFeed, GroupView
     from miles_core.rollout.supervisor import Fleet
 
+log = logging.getLogger(__name__)
+
+
+class SkippedSteps(RuntimeError):
+    """Too many training steps in a row changed nothing (``train.max_skipped_steps``)."""
+
 
 class TrainerSide:
     def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles, *, reader: str = "trainer",
@@ -33,6 +44,8 @@ class TrainerSide:
         self.producer_check, self.producer_metrics = producer_check, producer_metrics
         self.fleet: Fleet | None = None
         """Fully async: the run's rollout fleet, whose streams the feed reads (``use_fleet``)."""
+        self.skipped_in_a_row: list[str] = []
+        """The latest steps that changed nothing, and why (``train.max_skipped_steps`` fail the run)."""
 
     @built_once
     def trainer(self):
@@ -76,8 +89,10 @@ class TrainerSide:
         version = self.trainer.version
         if metrics["num_optimizer_steps"] > 0:
             uri = self.trainer.export(version)
-        else:  # nothing trainable in this batch (e.g. every sample failed): the engine keeps its weights
+            self.skipped_in_a_row = []
+        else:  # nothing applied (every sample failed, or nothing finite): the engine keeps its weights
             uri = self.weights_uri(version)
+            self._skipped(step, metrics, groups)
         seconds = time.perf_counter() - t0
         metrics.update(
             train_seconds=seconds,
@@ -86,6 +101,26 @@ class TrainerSide:
             staleness_max=float(max(lags, default=0)),
         )
         return TrainRef(step=step, version=version, weights_uri=uri, metrics=metrics)
+
+    def _skipped(self, step: int, metrics: dict[str, float], groups: list[Group]) -> None:
+        """Count a step that changed nothing; ``train.max_skipped_steps`` in a row fail the run."""
+        failed = [s for g in groups for s in g.samples if s.reward is None]
+        if metrics.get("num_nonfinite_steps", 0) > 0:
+            why = f"its loss or gradient norm was not finite ({metrics['num_nonfinite_steps']:.0f} optimizer step(s))"
+        else:
+            errors = sorted({s.error for s in failed if s.error})[:3]
+            why = (f"{len(failed)} of {int(metrics['num_samples'])} samples had no valid reward"
+                   + (f" ({'; '.join(errors)})" if errors else ""))
+        metrics["skipped_step"] = 1.0
+        self.skipped_in_a_row.append(f"step {step + 1}: {why}")
+        limit = self.cfg.train.max_skipped_steps
+        if len(self.skipped_in_a_row) >= limit:
+            raise SkippedSteps(
+                f"{limit} training steps in a row changed nothing, so the run stops (--max-skipped-steps {limit}):\n"
+                + "\n".join(self.skipped_in_a_row)
+            )
+        log.warning("training step %d changed nothing: %s (%d of --max-skipped-steps %d in a row)",
+                    step + 1, why, len(self.skipped_in_a_row), limit)
 
     # -- fully async
 

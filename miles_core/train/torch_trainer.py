@@ -148,17 +148,21 @@ class TorchTrainer:
         ratio is 1 with recomputed old logprobs); with recomputed old logprobs and samples that carry
         rollout logprobs, the mismatch metrics of ``losses.mismatch_metrics`` (``mismatch_kl``,
         ``train_rollout_logprob_abs_diff``, and with ``use_tis`` ``tis_weight_mean``,
-        ``tis_clipfrac``); plus counts: ``num_optimizer_steps``, ``train_tokens``, ``num_samples``,
+        ``tis_clipfrac``); plus counts: ``num_optimizer_steps``, ``num_nonfinite_steps`` (optimizer
+        steps not taken because the loss or the gradient norm was not finite: the weights stay as
+        they were), ``train_tokens``, ``num_samples``,
         ``num_excluded_samples`` (reward None) and ``version`` after the step."""
         if not batch.samples:
             raise ValueError("TrainBatch has no samples")
         tokens, correction_metrics = self._prepare(batch)
         n = tokens.num_rows
         order = torch.randperm(n, generator=self._generator).to(self.device)
-        per_step = []
+        per_step, nonfinite = [], 0
         for rows in order.split(self.cfg.minibatch_sizes(n)):
             metrics = self._optimizer_step(tokens.select(rows), batch.temperature)
-            if metrics is not None:
+            if metrics is not None and "nonfinite" in metrics:
+                nonfinite += 1
+            elif metrics is not None:
                 per_step.append(metrics)
         summary = {k: _mean(m[k] for m in per_step) for k in _AVERAGED}
         if len(per_step) > 1:
@@ -167,6 +171,7 @@ class TorchTrainer:
         excluded = sum(1 for s in batch.samples if s.reward is None)
         summary.update(
             num_optimizer_steps=float(len(per_step)),
+            num_nonfinite_steps=float(nonfinite),
             train_tokens=float(tokens.loss_mask.sum()),
             num_samples=float(n),
             num_excluded_samples=float(excluded),
@@ -276,6 +281,9 @@ class TorchTrainer:
                 sums[k] += float(v)
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else math.inf
         sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(sums["grad_norm"]):  # a NaN or infinite loss or gradient: never applied
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"nonfinite": 1.0}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._version += 1

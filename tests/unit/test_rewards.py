@@ -265,6 +265,57 @@ def test_error_list_is_capped():
     assert stats.failed == 8 and len(stats.errors) == 5
 
 
+def test_a_reward_call_past_its_deadline_fails_its_sample_and_scoring_goes_on():
+    """A sync reward that hangs on one sample: that sample fails with the timeout, the samples after
+    it in the same group (and the other groups) are still scored, and what the hung call returns
+    once it is released is ignored."""
+    release, returned = threading.Event(), threading.Event()
+
+    def fn(s: Sample) -> float:
+        if s.response == "hang":
+            release.wait(30)
+            returned.set()
+            return 1.0
+        return 0.5
+
+    groups = groups_of(["ok", "hang", "after"], ["other"])
+    stats = asyncio.run(score_groups(fn, groups, timeout_s=0.2))
+    assert (stats.scored, stats.failed) == (3, 1)
+    hung = groups[0].samples[1]
+    assert (hung.status, hung.reward) == (SampleStatus.FAILED, None)
+    assert hung.error == "reward: RewardTimeout: timed out after 0.2 s (rollout.reward_timeout_s)"
+    assert groups[0].rewards == [0.5, None, 0.5] and groups[1].rewards == [0.5]
+    release.set()
+    assert returned.wait(10)
+    assert hung.status is SampleStatus.FAILED and hung.reward is None, "a late result is ignored"
+
+
+def test_async_and_per_group_rewards_have_the_deadline_too():
+    never = asyncio.Event
+
+    async def hangs(s: Sample) -> float:
+        if s.response == "hang":
+            await never().wait()
+        return 1.0
+
+    release = threading.Event()
+
+    @group_reward
+    def judge(samples):
+        release.wait(30)
+        return [1.0] * len(samples)
+
+    groups = groups_of(["hang", "ok"])
+    stats = asyncio.run(score_groups(hangs, groups, timeout_s=0.1))
+    assert (stats.scored, stats.failed) == (1, 1) and "timed out after 0.1 s" in stats.errors[0]
+    groups = groups_of(["a", "b"])
+    try:
+        stats = asyncio.run(score_groups(judge, groups, timeout_s=0.1))
+    finally:
+        release.set()
+    assert stats.failed == 2 and all("timed out after 0.1 s" in s.error for s in groups[0].samples)
+
+
 # ------------------------------------------------------------------------------ post-processing
 
 

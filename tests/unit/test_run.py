@@ -118,3 +118,28 @@ def test_flows_pickle_for_deployments():
 
     for flow in (train, train_multi_lora):
         assert cloudpickle.loads(cloudpickle.dumps(flow.fn)).__name__ == flow.fn.__name__
+
+
+def always_fails(sample) -> float:
+    raise RuntimeError("the judge is down")
+
+
+def test_steps_whose_rewards_all_failed_change_nothing_and_fail_the_run_after_max_skipped_steps(tiny_model_dir):
+    from miles_core.session.training import SkippedSteps
+
+    cfg = _cfg(tiny_model_dir, f"memory://runs-{uuid.uuid4().hex}")
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"reward": f"{__name__}:always_fails"}),
+                                 "train": cfg.train.model_copy(update={"max_skipped_steps": 2})})
+    session = RunSession(cfg, prepare_run(cfg, log=lambda *_: None))
+    try:
+        first = session.training.train(session.rollouts.rollout(0))
+        assert first.metrics["skipped_step"] == 1.0 and first.version == 0
+        assert first.weights_uri == session.refs.model_dir, "the engine keeps the weights it has"
+        with pytest.raises(SkippedSteps) as error:
+            session.training.train(session.rollouts.rollout(1))
+        text = str(error.value)
+        assert "2 training steps in a row changed nothing" in text and "--max-skipped-steps 2" in text
+        assert "step 1: 8 of 8 samples had no valid reward (reward: RuntimeError: the judge is down)" in text
+        assert session.weights.latest() is None, "nothing was published"
+    finally:
+        session.close()

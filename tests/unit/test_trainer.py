@@ -288,6 +288,20 @@ def test_failed_samples_train_nothing(tiny_model_dir, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
 
 
+def test_a_non_finite_loss_is_never_applied_to_the_weights(tiny_model_dir, tmp_path):
+    """An advantage of NaN (any non-finite loss or gradient) skips the optimizer step: the weights,
+    the version and AdamW's state stay as they were, and the step says so."""
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    batch = make_batch([[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
+    batch.advantages[0] = float("nan")
+    before = params(trainer)
+    metrics = trainer.step(batch)
+    assert (metrics["num_optimizer_steps"], metrics["num_nonfinite_steps"]) == (0, 1)
+    assert trainer.version == 0 and not trainer.optimizer.state
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+    assert all(p.grad is None for p in trainer.model.parameters()), "no gradient left over for the next step"
+
+
 def test_export_through_the_real_weight_store(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
