@@ -5,6 +5,10 @@ and ``miles show-config`` answer at once. ``miles engine-serve`` takes its own f
 config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``).
 ``miles server start|stop|status`` runs a local Prefect server on PostgreSQL (``deployments/server.py``)
 for concurrent runs and the UI; single runs keep Prefect's ephemeral default.
+
+``miles train`` runs the run in a child process of its own session (``miles_core.stopping``): the
+first Ctrl-C or SIGTERM stops it after the step in progress (with a checkpoint when it has
+``--save-interval``, and the command that resumes it), a second one at once.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 from deployments import serve as serve_deployments
 from deployments import server as prefect_server
 from miles_core.cli import build_parser, resolve_config
+from miles_core import stopping
 from miles_core.engines import server as engine_server
 
 
@@ -73,7 +78,35 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    if args.command == "train-multi-lora":
+    if args.command in ("train", "train-multi-lora"):
+        if not os.environ.get(stopping.SUPERVISED):  # Ctrl-C reaches only the supervisor, which stops the run cleanly
+            return stopping.supervise(sys.argv[1:] if argv is None else list(argv))
+        stopping.install_stop_handlers()
+        try:
+            return _train(args.command, cfg)
+        except stopping.RunStopped as e:
+            print(f"\n{e}", file=sys.stderr)
+            if e.checkpoint_step is not None:
+                again = [a for a in (sys.argv[1:] if argv is None else argv)]
+                print(f"resume it with: miles {' '.join(_without_run_id(again))} --run-id {e.run_id}", file=sys.stderr)
+            return 130
+    return 0
+
+
+def _without_run_id(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--run-id":
+            skip = True
+        elif not a.startswith("--run-id="):
+            out.append(a)
+    return out
+
+
+def _train(command: str, cfg) -> int:
+    if command == "train-multi-lora":
         if cfg.multi_lora is None:
             print("error: train-multi-lora needs adapters: --lora-count N (with --lora-rank R), or a [multi_lora] "
                   "section with adapters", file=sys.stderr)

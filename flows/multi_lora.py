@@ -30,6 +30,7 @@ from miles_core.config import RunConfig
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.report import curves_png, data_url, reward_points, run_curves
 from miles_core.run import RunRefs, checkpoint_due
+from miles_core.stopping import RunStopped, stop_requested
 from tasks.multi_lora import (
     check_data,
     evaluate_adapter,
@@ -53,6 +54,8 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str) -> dict[str, Any]:
     session = get_multi_lora_run(cfg, refs).adapters[name]
     total = cfg.rollout.num_rollout
     for step in range(total):
+        if stop_requested():  # Ctrl-C or SIGTERM of `miles train-multi-lora`
+            raise RunStopped(f"adapter {name} stopped after step {step} of {total}, as asked", refs.run_id)
         t0 = time.perf_counter()
         ref = train_adapter(cfg, refs, name, step)
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
@@ -95,6 +98,9 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
             finally:  # the producer stops before the run's slots go
                 run.stop_producer()
                 producer.wait(timeout=120)
+        if stop_requested():
+            raise RunStopped(f"multi-LoRA run {refs.run_id} stopped, as asked; no checkpoint (multi-LoRA runs cannot "
+                             "be resumed yet)", refs.run_id)
         run.check_producer()  # a dead producer fails the run with its own error
         summary = _summary(cfg, refs, run, before, time.perf_counter() - t_start)
         run.finish(summary)

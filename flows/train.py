@@ -49,6 +49,7 @@ from flows.begin import begin_run
 from miles_core.config import RunConfig
 from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
+from miles_core.stopping import RunStopped, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
 from tasks.train import (
@@ -124,6 +125,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 if "eval_accuracy" in row:
                     log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
                 update_progress_artifact(progress, 100.0 * (step + 1) / total)
+                if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
+                    raise _stopped(cfg, refs, session, step + 1, r)
         after = session.history.eval_rows[-1] if session.history.eval_rows else None
         summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
         session.finish(summary)
@@ -131,6 +134,18 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         return summary
     finally:
         close_session(refs)
+
+
+def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | None) -> RunStopped:
+    """The run was asked to stop after step ``done``: save a checkpoint there if the run keeps them."""
+    text = f"run {refs.run_id} stopped after step {done} of {cfg.rollout.num_rollout}, as asked"
+    if cfg.checkpoint.save_interval is None or r is None:
+        why = ("fully_async runs cannot be checkpointed yet" if r is None else
+               "set --save-interval N to make a run resumable")
+        return RunStopped(f"{text}; no checkpoint ({why}); its steps are in {session.layout.metrics}", refs.run_id)
+    if not checkpoint_due(cfg, done):  # else the step's own checkpoint was just saved
+        save_checkpoint(cfg, refs, done, r)
+    return RunStopped(f"{text}; checkpoint at step {done}: {session.layout.checkpoint(done)}", refs.run_id, done)
 
 
 # ------------------------------------------------------------------------------ execution modes

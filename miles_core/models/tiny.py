@@ -220,7 +220,12 @@ def _sft_phase(
     n, size = len(has_carry), batch_size
     order, cursor, window = torch.randperm(n, generator=generator), 0, []
     log_every, mean_loss = max(1, steps // 10), float("nan")
+    from miles_core.stopping import RunStopped, stop_requested
+
     for step in range(1, steps + 1):
+        if stop_requested():  # Ctrl-C of `miles train` during the warm start: nothing is cached
+            raise RunStopped(f"stopped while building the starting model (warm start step {step} of {steps}); "
+                             "nothing was saved: the next run builds it again")
         if cursor + size > n:  # a new epoch: reshuffle
             order, cursor = torch.randperm(n, generator=generator), 0
         batch = pick_carry_free(order[cursor : cursor + size], has_carry, share, generator)

@@ -22,6 +22,7 @@ from miles_core.config import RunConfig
 from miles_core.rollout.generate import rollout_metrics
 from miles_core.session.parts import RunFiles, built_once, is_built
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
+from miles_core.stopping import RunStopped, stop_requested
 from miles_core.types import Group
 
 if TYPE_CHECKING:
@@ -145,7 +146,11 @@ class TrainerSide:
         publish the new version (the producers load it), and report the step's async metrics."""
         t0 = time.perf_counter()
         feed = self.feed(warn)
-        batch = feed.next_batch(self.cfg.rollout.rollout_batch_size, self.trainer.version)
+        n = self.cfg.rollout.rollout_batch_size
+        batch = feed.next_batch(n, self.trainer.version, stop=stop_requested)
+        if len(batch.groups) < n:  # asked to stop while waiting: the groups stay unread for a resumed run
+            raise RunStopped(f"run {self.refs.run_id} stopped at step {step + 1} while waiting for rollout data, "
+                             f"as asked; no checkpoint (fully_async runs cannot be checkpointed yet)", self.refs.run_id)
         drained = time.perf_counter() - t0
         ref = self.train_groups(step, batch.groups)
         feed.commit()

@@ -1,0 +1,126 @@
+"""Ctrl-C and SIGTERM of `miles train`, as a user sends them: the run stops after the step in
+progress (a sync run with its checkpoint and the command that resumes it; a fully-async run with
+its producers), leaves only whole segments and no process behind; a second Ctrl-C stops it at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from serving import wait_for
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _miles_train(tmp_path: Path, model_dir, *flags: str) -> subprocess.Popen:
+    """``miles train`` in a process of its own, its output in files (``out``/``err`` of tmp_path)."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)  # Prefect's ephemeral API, as a user's first run has
+    cmd = [sys.executable, "-m", "deployments.cli", "train", "--hf-checkpoint", str(model_dir),
+           "--num-rollout", "400", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+           "--rollout-max-response-len", "3", "--eval-num-prompts", "4", "--eval-interval", "1000",
+           "--storage-root", str(tmp_path / "runs"), *flags]
+    n = len(list(tmp_path.glob("err-*")))
+    out, err = open(tmp_path / f"out-{n}", "w"), open(tmp_path / f"err-{n}", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+    proc.log = (tmp_path / f"out-{n}", tmp_path / f"err-{n}")
+    return proc
+
+
+def _output(proc: subprocess.Popen) -> tuple[str, str]:
+    return proc.log[0].read_text(), proc.log[1].read_text()
+
+
+def _steps(tmp_path: Path) -> int:
+    files = list((tmp_path / "runs").glob("*/*/metrics.jsonl"))
+    return len(files[0].read_text().splitlines()) if files else 0
+
+
+def _run_session(proc: subprocess.Popen) -> int:
+    """The session of the run's process (the supervisor's child, which leads it)."""
+    wait_for(lambda: subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                                    text=True).stdout.strip(), 30, "the run's process")
+    return int(subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                              text=True).stdout.split()[0])
+
+
+def _left_in(session: int) -> list[str]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(session)], capture_output=True, text=True).stdout
+    # a killed process whose parent died too waits for init to reap it: it holds nothing but a pid
+    return [line for line in out.splitlines() if line.strip() and "<defunct>" not in line]
+
+
+def _stop(proc: subprocess.Popen, *signals: int, within: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.2)
+    try:
+        proc.wait(timeout=within + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, _output(proc)[1], time.monotonic() - t0
+
+
+def _no_partial_segments(tmp_path: Path) -> None:
+    partial = [p for p in (tmp_path / "runs").rglob("samples/**/*") if p.is_file() and p.suffix != ".arrow"
+               and p.name != "_END"]
+    assert not partial, f"partial files in the sample streams: {partial[:5]}"
+
+
+def test_ctrl_c_stops_a_sync_run_after_its_step_with_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_path):
+    proc = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "100")
+    session = _run_session(proc)
+    wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
+    code, err, seconds = _stop(proc, signal.SIGINT, within=10)
+    assert code == 130, err[-3000:]
+    assert seconds < 10, f"stopped after {seconds:.1f} s"
+    assert not _left_in(session), _left_in(session)
+    run_dir = next((tmp_path / "runs").glob("*/*"))
+    done = _steps(tmp_path)
+    assert f"stopped after step {done} of 400, as asked; checkpoint at step {done}" in err, err[-3000:]
+    assert (run_dir / "checkpoints" / f"step-{done:06d}" / "state.json").exists()
+    resume = next(line for line in err.splitlines() if line.startswith("resume it with: miles train "))
+    assert resume.endswith(f"--run-id {run_dir.name}")
+    _no_partial_segments(tmp_path)
+
+    # the printed command resumes it (here with two more steps to go)
+    again = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "100", "--num-rollout", str(done + 2),
+                         "--run-id", run_dir.name)
+    again.wait(timeout=300)
+    out, err = _output(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resuming run {run_dir.name} from checkpoint at step {done}" in out + err
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, done + 3))
+
+
+def test_sigterm_stops_a_fully_async_run_and_its_producers(tiny_model_dir, tmp_path):
+    proc = _miles_train(tmp_path, tiny_model_dir, "--fully-async")
+    session = _run_session(proc)
+    wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
+    code, err, seconds = _stop(proc, signal.SIGTERM, within=10)
+    assert code == 143, err[-3000:]
+    assert seconds < 10, f"stopped after {seconds:.1f} s"
+    assert "as asked; no checkpoint (fully_async runs cannot be checkpointed yet)" in err, err[-3000:]
+    assert not _left_in(session), _left_in(session)  # producers, their engines, the Prefect server
+    _no_partial_segments(tmp_path)
+
+
+def test_a_second_ctrl_c_stops_the_run_at_once(tiny_model_dir, tmp_path):
+    proc = _miles_train(tmp_path, tiny_model_dir)
+    session = _run_session(proc)
+    wait_for(lambda: _steps(tmp_path) >= 1, 180, "a training step")
+    code, err, seconds = _stop(proc, signal.SIGINT, signal.SIGINT, within=3)
+    assert code == 130 and "stopping the run at once" in err, err[-3000:]
+    assert seconds < 3, f"stopped after {seconds:.1f} s"
+    assert not _left_in(session), _left_in(session)
