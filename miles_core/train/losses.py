@@ -198,13 +198,15 @@ def gspo_loss(
     weights: Tensor | None = None,
     eps_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = mean_b clipped_surrogate(s_b, A_b), s_b = exp(mean_t (logp - old_logp)) over b's trained tokens.
+    """loss = mean_b clipped_surrogate(s_b, A_b), s_b = exp(min(mean_t (logp - old_logp), 10)) over b's
+    trained tokens (the cap: ``GSPO_MAX_LOG_RATIO``).
 
     GSPO (Zheng et al. 2025): one ratio per sequence, clipped per sequence. The sequence loss is
     spread over its tokens and reduced by ``seq_mean`` (``denom``: sequences of the minibatch), which
     gives exactly the mean over sequences; ``weights`` still scale tokens. Metrics are per sequence
     (``ratio_*``, ``clipfrac``) except ``approx_kl`` (per token)."""
-    log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask).unsqueeze(-1).expand_as(logprobs)
+    log_ratio = torch.clamp(sequence_log_ratio(logprobs, old_logprobs, mask), max=GSPO_MAX_LOG_RATIO)
+    log_ratio = log_ratio.unsqueeze(-1).expand_as(logprobs)
     return _surrogate_loss(torch.exp(log_ratio), logprobs - old_logprobs, advantages, mask, eps_clip,
                            eps_clip_high, eps_clip_c, "seq_mean", denom, weights)
 
@@ -296,16 +298,25 @@ def _k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
+K3_LOG_RATIO_BOUND = 20.0
+K3_MAX = 10.0
+GSPO_MAX_LOG_RATIO = 10.0
+"""Overflow guards, as the reference implementations have them: k3's log-ratio is clamped to
+[-20, 20] and its value to at most 10; GSPO's sequence log-ratio to at most 10 (exp(25) would
+overflow what the surrogate and its gradient can hold; the clamped tokens train nothing)."""
+
+
 def _k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    log_r = ref_logprobs - logprobs
-    return torch.exp(log_r) - 1.0 - log_r
+    log_r = torch.clamp(ref_logprobs - logprobs, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(log_r) - 1.0 - log_r, max=K3_MAX)
 
 
 _KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
-    """Per token, with log r = ref_logp - logp: k1 = -log r, k2 = 0.5 (log r)^2, k3 = (r - 1) - log r.
+    """Per token, with log r = ref_logp - logp: k1 = -log r, k2 = 0.5 (log r)^2, k3 = (r - 1) - log r
+    (log r clamped to [-20, 20], k3 to at most 10: ``K3_LOG_RATIO_BOUND``, ``K3_MAX``).
 
     Tokens are sampled from pi, so each estimates KL(pi || pi_ref): k1 unbiased (can be negative),
     k2 biased, low variance, k3 unbiased and never negative."""

@@ -311,6 +311,33 @@ def test_kl_estimators_by_hand():
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([[0.306853, 0.193147, 0.0]]))
 
 
+def test_k3_is_guarded_against_overflow_by_hand():
+    # log r = ref - logp, clamped to [-20, 20]; k3 = e^log r - 1 - log r, clamped to at most 10:
+    #   log r = 25 -> 20 -> e^20 - 21 = 4.85e8 -> 10;  log r = -25 -> -20 -> e^-20 + 19 = 19.000000002 -> 10
+    #   log r = 3 -> e^3 - 4 = 16.0855 -> 10;  log r = 2 -> e^2 - 3 = 4.389056 (below the cap: unchanged)
+    logp = torch.zeros(1, 4, requires_grad=True)
+    ref = torch.tensor([[25.0, -25.0, 3.0, 2.0]])
+    k3 = kl_penalty(logp, ref, "k3")
+    torch.testing.assert_close(k3, torch.tensor([[10.0, 10.0, 10.0, 4.389056]]))
+    k3.sum().backward()
+    # clamped tokens train nothing; token 3: d/dlogp (e^(ref - logp) - 1 - (ref - logp)) = -e^2 + 1 = -6.389056
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.0, -6.389056]]))
+
+
+def test_gspo_sequence_log_ratio_is_capped_by_hand():
+    # two trained tokens with logp - old = 25 each: the sequence log-ratio 25 is capped at 10, so
+    # s = e^10 = 22026.4658 (not e^25 = 7.2e10); with A = -1 and no dual clip the surrogate is
+    # -min(s * -1, clip(s, 0.8, 1.2) * -1) = s; a log-ratio of 100 (e^100 is inf in fp32) gives the same
+    for delta in (25.0, 100.0):
+        logp = torch.full((1, 2), delta, requires_grad=True)
+        loss, metrics = gspo_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), eps_clip=0.2,
+                                  eps_clip_high=0.2, denom=1.0)
+        assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-5)
+        assert metrics["ratio_mean"].item() == pytest.approx(math.exp(10.0), rel=1e-5)
+        loss.backward()
+        assert torch.isfinite(logp.grad).all() and (logp.grad == 0).all(), "capped: the ratio trains nothing"
+
+
 def test_unknown_kl_kind_is_named():
     with pytest.raises(ValueError, match="'k4'"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
