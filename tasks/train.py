@@ -19,7 +19,11 @@ def prepare_run(cfg: RunConfig) -> RunRefs:
 
 @task(name="resume-run", cache_policy=NO_CACHE, task_run_name="resume-run")
 def resume_run(cfg: RunConfig, refs: RunRefs) -> int | None:
-    return get_session(cfg, refs).resume()
+    session = get_session(cfg, refs)
+    step = session.resume()
+    for damaged in session.checkpoints.skipped:
+        get_run_logger().warning("checkpoint passed over (it cannot be loaded): %s", damaged)
+    return step
 
 
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")

@@ -4,6 +4,7 @@ checkpoint complete; ``checkpoint.keep_checkpoints`` of them are kept."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from miles_core.config import RunConfig
@@ -15,9 +16,14 @@ if TYPE_CHECKING:
     from miles_core.train.base import Trainer
 
 
+log = logging.getLogger(__name__)
+
+
 class Checkpointer:
     def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles) -> None:
         self.cfg, self.refs, self.files = cfg, refs, files
+        self.skipped: list[str] = []
+        """The checkpoints the last ``restore`` could not load, each with why."""
 
     def save(self, step: int, trainer: Trainer, source_state: dict[str, Any]) -> str:
         """Save the run after ``step`` steps, then prune; returns the checkpoint's folder."""
@@ -44,13 +50,14 @@ class Checkpointer:
           steps append new ones after them; the trainer reads each step's segment by offset), and
           a stream closed by a finished run is reopened (its ``_END`` removed).
 
-        RuntimeError when the run has steps in ``metrics.jsonl`` but no checkpoint (it cannot go on
-        without redoing them over old data); ValueError when the checkpoint is past ``num_rollout``."""
-        from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
-
+        A checkpoint that cannot be loaded (a truncated ``state.json`` or trainer state) is named in a
+        warning and the next older one is used (``skipped`` lists them); when none loads, a
+        RuntimeError lists each and why. RuntimeError too when the run has steps in
+        ``metrics.jsonl`` but no checkpoint (it cannot go on without redoing them over old data);
+        ValueError when the newest checkpoint is past ``num_rollout``."""
         layout = self.files.layout
-        step = layout.latest_checkpoint()
-        if step is None:
+        steps = layout.checkpoints()
+        if not steps:
             if history.has_steps():
                 raise RuntimeError(
                     f"run {self.refs.run_id} ({self.refs.run_dir}) already has training steps in metrics.jsonl but "
@@ -58,22 +65,42 @@ class Checkpointer:
                     "(--save-interval N) to make a run resumable"
                 )
             return None
-        if step > self.cfg.rollout.num_rollout:
+        if steps[-1] > self.cfg.rollout.num_rollout:
             raise ValueError(
-                f"run {self.refs.run_id} has a checkpoint at step {step}, past rollout.num_rollout="
-                f"{self.cfg.rollout.num_rollout}; set --num-rollout to {step} or more to continue it"
+                f"run {self.refs.run_id} has a checkpoint at step {steps[-1]}, past rollout.num_rollout="
+                f"{self.cfg.rollout.num_rollout}; set --num-rollout to {steps[-1]} or more to continue it"
             )
+        unusable = []
+        for step in reversed(steps):  # the newest that loads: a damaged one is named and passed over
+            try:
+                state = self._load(step, trainer)
+            except Exception as e:  # noqa: BLE001 (any failure to load makes it unusable; it is reported)
+                unusable.append(f"{layout.checkpoint(step)}: {type(e).__name__}: {e}"[:500])
+                log.warning("checkpoint %s cannot be loaded (%s: %s); trying the next older one",
+                            layout.checkpoint(step), type(e).__name__, e)
+                continue
+            self.files.weights.rollback(state["version"])
+            layout.write_json(SOURCE_STATE, state["data_source"])
+            history.rewind(step)
+            self._reopen_stream()
+            self.skipped = unusable
+            return step, state
+        raise RuntimeError(f"run {self.refs.run_id}: none of its checkpoints can be loaded:\n" + "\n".join(unusable))
+
+    def _load(self, step: int, trainer: Trainer) -> dict[str, Any]:
+        """Checkpoint ``step``'s state (checked) with ``trainer`` loaded from it; raises what broke."""
+        from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
+
+        layout = self.files.layout
         state = layout.read_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}")
-        version = state["version"]
-        self.files.weights.rollback(version)
+        missing = [k for k in ("step", "version", "data_source") if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"{CHECKPOINT_STATE} has no {', '.join(missing)}")
         trainer.load(layout.checkpoint(step, TRAINER_STATE))
-        if trainer.version != version:
-            raise ValueError(f"checkpoint {layout.checkpoint(step)}: trainer state is at weights version "
-                             f"{trainer.version}, state.json says {version}")
-        layout.write_json(SOURCE_STATE, state["data_source"])
-        history.rewind(step)
-        self._reopen_stream()
-        return step, state
+        if trainer.version != state["version"]:
+            raise ValueError(f"trainer state is at weights version {trainer.version}, {CHECKPOINT_STATE} says "
+                             f"{state['version']}")
+        return state
 
     def _reopen_stream(self) -> None:
         """Remove the ``_END`` a finished run wrote, so the resumed run appends after its segments.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +144,38 @@ def test_steps_whose_rewards_all_failed_change_nothing_and_fail_the_run_after_ma
         assert session.weights.latest() is None, "nothing was published"
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("damage", ["state.json", "trainer.pt"])
+def test_a_damaged_newest_checkpoint_is_named_and_the_next_older_one_is_used(tiny_model_dir, tmp_path, damage):
+    from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE
+
+    cfg = _cfg(tiny_model_dir, str(tmp_path / "runs"))
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_checkpoints": 3})})
+    refs = prepare_run(cfg, log=lambda *_: None)
+    first = RunSession(cfg, refs)
+    try:
+        for step in (1, 2):
+            r = first.rollouts.rollout(step - 1)
+            first.history.record(step, {"version": first.training.train(r).version})
+            first.save_checkpoint(step, r.source_state)
+    finally:
+        first.close()
+    name = {"state.json": CHECKPOINT_STATE, "trainer.pt": TRAINER_STATE}[damage]
+    newest = Path(first.layout.checkpoint(2, name))
+    newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # a save cut short on disk
+
+    again = RunSession(cfg, refs)
+    try:
+        assert again.resume() == 1, "the older checkpoint"
+        assert again.training.trainer.version == 1 and again.weights.versions() == [1]
+        assert [row["step"] for row in again.history.metrics_rows] == [1]
+        (skipped,) = again.checkpoints.skipped
+        assert skipped.startswith(f"{first.layout.checkpoint(2)}: ")
+    finally:
+        again.close()
+
+    older = Path(first.layout.checkpoint(1, name))
+    older.write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"(?s)none of its checkpoints can be loaded:\n.*step-000002: .*\n.*step-000001: "):
+        RunSession(cfg, refs).resume()
