@@ -48,7 +48,7 @@ from prefect.artifacts import (
 from flows.begin import begin_run
 from miles_core.config import RunConfig
 from miles_core.report import data_url, run_curves
-from miles_core.run import RolloutRef, RunRefs, checkpoint_due, close_session, get_session
+from miles_core.run import RolloutRef, RunRefs, TrainRef, checkpoint_due, close_session, get_session
 from miles_core.stopping import RunStopped, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
@@ -171,12 +171,16 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
     ``update_weights_interval`` steps, and after the last) only once that rollout has finished:
     samples are at most ``update_weights_interval`` versions stale."""
     total, interval = cfg.rollout.num_rollout, cfg.async_rollout.update_weights_interval
+    if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
+        _load_version(cfg, refs, session, _async_rollout_version(session, interval, start))
     ahead = rollout.submit(cfg, refs, start)
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
             r = ahead.result()
             waited = time.perf_counter() - t0
+            if step == start > 0 and step + 1 < total:
+                _load_version(cfg, refs, session, _async_rollout_version(session, interval, step + 1))
             ahead = rollout.submit(cfg, refs, step + 1) if step + 1 < total else None
             t = train_step(cfg, refs, r)
             push_s = 0.0
@@ -207,6 +211,19 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
         row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
         yield step, _with_idle(row), None
     stop_producers(cfg, refs)  # a run that fails or is cancelled cancels them instead, in close_session
+
+
+def _async_rollout_version(session, interval: int, k: int) -> int:
+    """The weights version the engine held when an uninterrupted async run submitted rollout ``k``
+    (0-based): it is submitted before step k's training starts, so it is generated with the version
+    pushed after the last step n <= k - 1 (1-based) with n % interval == 0 (0: none yet)."""
+    pushed = [r["version"] for r in session.history.metrics_rows if r["step"] <= k - 1 and r["step"] % interval == 0]
+    return int(pushed[-1]) if pushed else 0
+
+
+def _load_version(cfg: RunConfig, refs: RunRefs, session, version: int) -> None:
+    uri = session.training.weights_uri(version)
+    push_weights(cfg, refs, TrainRef(step=-1, version=version, weights_uri=uri))
 
 
 def _with_idle(row: dict[str, Any]) -> dict[str, Any]:

@@ -180,10 +180,13 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_dir, tmp_path, monkeypatch, mode):
     """Run A: 6 steps in one go. Run B: 4 steps, its checkpoint at step 4 cut short (no state.json,
     as if the process died while saving it), then resumed to 6 steps from the checkpoint at step 3.
-    Step 4 is redone; B's metrics, evaluations and final weights equal A's exactly."""
+    Step 4 is redone; B's metrics, evaluations and final weights equal A's exactly (async: the
+    redone rollouts 4 and 5 are generated with the weights they were generated with in A, one
+    version behind the trainer)."""
     import torch
 
     from flows.train import train
@@ -193,7 +196,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_d
     monkeypatch.setitem(rewards._REGISTRY, "test-digit-share", _digit_share)  # gone after the test
 
     def run(run_id: str, steps: int) -> dict:
-        cfg = _tiny_run(tmp_path, tiny_model_dir, run_id=run_id, checkpoint={"save_interval": 3})
+        cfg = _tiny_run(tmp_path, tiny_model_dir, run_id=f"{run_id}-{mode}", mode=mode, checkpoint={"save_interval": 3})
         cfg.rollout.num_rollout, cfg.rollout.reward = steps, "test-digit-share"
         state = train(cfg, return_state=True)
         assert state.is_completed(), state
