@@ -65,6 +65,10 @@ from tasks.train import (
 )
 
 
+REWARD_ERRORS = "_reward_errors"
+"""The step's first reward failures, handed from a mode's steps to the flow's log (not recorded)."""
+
+
 def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
     line = f"step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | acc {row['accuracy']:.3f} | loss {row['loss']:+.4f}"
     if "rollout_seconds" in row:
@@ -114,6 +118,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
             before = _before_training(cfg, refs, session, start, log)
             for step, row, r in steps(cfg, refs, session, start):
+                reward_errors = row.pop(REWARD_ERRORS, [])
                 if _due(cfg, step) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
                     row["eval_accuracy"] = evaluate(cfg, refs, step + 1)["accuracy"]
                 elif _due(cfg, step):  # on its own engine, beside the next steps
@@ -122,6 +127,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 if r is not None and checkpoint_due(cfg, step + 1):
                     save_checkpoint(cfg, refs, step + 1, r)
                 log.info(_step_line(step, total, row))
+                if row.get("reward_failed"):
+                    log.warning("step %d: %d of %d samples' rewards failed (they train nothing): %s", step + 1,
+                                int(row["reward_failed"]), int(row.get("num_samples", 0)),
+                                "; ".join(reward_errors))
                 if "eval_accuracy" in row:
                     log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
                 update_progress_artifact(progress, 100.0 * (step + 1) / total)
@@ -160,7 +169,7 @@ def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[
         r = rollout(cfg, refs, step)
         t = train_step(cfg, refs, r)
         push_s = push_weights(cfg, refs, t)
-        row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s}
+        row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s, REWARD_ERRORS: r.reward_errors}
         row["step_seconds"] = time.perf_counter() - t0
         row["trainer_wait_seconds"] = r.metrics["rollout_seconds"]
         yield step, _with_idle(row), r
@@ -190,7 +199,8 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
                     ahead.wait()
                 waited += time.perf_counter() - t_wait
                 push_s = push_weights(cfg, refs, t)
-            row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s}
+            row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s,
+                   REWARD_ERRORS: r.reward_errors}
             row["step_seconds"] = time.perf_counter() - t0
             row["trainer_wait_seconds"] = waited
             yield step, _with_idle(row), r
@@ -208,7 +218,8 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         t = train_from_stream(cfg, refs, step)
-        row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0}
+        row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
+               REWARD_ERRORS: t.reward_errors}
         yield step, _with_idle(row), None
     stop_producers(cfg, refs)  # a run that fails or is cancelled cancels them instead, in close_session
 

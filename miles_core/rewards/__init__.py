@@ -223,6 +223,12 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await future
 
 
+def reward_errors(groups: list[Group]) -> list[str]:
+    """Every sample of ``groups`` whose reward failed, as ``"group g sample i: reward: ..."``."""
+    return [f"group {s.group_index} sample {s.sample_index}: {s.error}" for g in groups for s in g.samples
+            if s.status is SampleStatus.FAILED and (s.error or "").startswith("reward:")]
+
+
 def _settle(sample: Sample, value: Any, error: Exception | None) -> None:
     if error is None:
         try:

@@ -23,6 +23,8 @@ class RolloutRef:
     metrics: dict[str, float] = field(default_factory=dict)
     source_state: dict[str, Any] = field(default_factory=dict)
     """The prompt cursor right after this rollout drew its prompts (what a checkpoint keeps)."""
+    reward_errors: list[str] = field(default_factory=list)
+    """The first few reward failures of this rollout (``metrics["reward_failed"]`` counts them all)."""
 
 
 @dataclass
@@ -31,3 +33,5 @@ class TrainRef:
     version: int
     weights_uri: str
     metrics: dict[str, float] = field(default_factory=dict)
+    reward_errors: list[str] = field(default_factory=list)
+    """Fully async: the first few reward failures among the groups trained on."""

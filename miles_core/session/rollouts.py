@@ -26,7 +26,8 @@ from miles_core.session.parts import (
     setup_tokenizer,
 )
 from miles_core.session.refs import RolloutRef, RunRefs
-from miles_core.types import Group, SampleStatus
+from miles_core.rewards import MAX_ERRORS_KEPT, reward_errors
+from miles_core.types import Group
 
 if TYPE_CHECKING:
     from miles_core.rewards import RewardStats
@@ -121,7 +122,8 @@ class RolloutSide:
         t0 = time.perf_counter()
         if r.rollout_function_path is not None:
             groups = self._custom_rollout(step)
-            failed = sum(s.status is SampleStatus.FAILED for g in groups for s in g.samples)
+            errors = reward_errors(groups)
+            failed = len(errors)
         else:
             items = self.next_prompts(r.rollout_batch_size)
             seed = self.cfg.seed * 1_000_003 + step * 10_007
@@ -129,7 +131,8 @@ class RolloutSide:
                 self.engine, items, r.n_samples_per_prompt, self.sampling, step * r.rollout_batch_size, seed,
                 custom=self.custom_generate, tokenizer=self.tokenizer,
             ))
-            failed = self.run(self.score(groups)).failed
+            stats = self.run(self.score(groups))
+            failed, errors = stats.failed, stats.errors
         t_gen = time.perf_counter() - t0
         offset = self.files.stream.append([s for g in groups for s in g.samples])
         source_state = self.source.state()
@@ -141,7 +144,7 @@ class RolloutSide:
             reward_failed=float(failed),
         )
         return RolloutRef(step=step, offset=offset, num_samples=sum(len(g.samples) for g in groups),
-                          metrics=metrics, source_state=source_state)
+                          metrics=metrics, source_state=source_state, reward_errors=errors[:MAX_ERRORS_KEPT])
 
     def _custom_rollout(self, step: int) -> list[Group]:
         from miles_core.rollout.custom import RolloutContext, run_rollout_function

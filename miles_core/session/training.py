@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from miles_core.config import RunConfig
+from miles_core.rewards import MAX_ERRORS_KEPT, reward_errors
 from miles_core.rollout.generate import rollout_metrics
 from miles_core.session.parts import RunFiles, built_once, is_built
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
@@ -160,6 +161,9 @@ class TrainerSide:
         metrics.update(self.producer_metrics())
         metrics["async/consumer_drain_seconds"] = drained
         metrics["trainer_wait_seconds"] = batch.wait_seconds
+        errors = reward_errors(batch.groups)
+        metrics["reward_failed"] = float(len(errors))
+        ref.reward_errors = errors[:MAX_ERRORS_KEPT]
         return ref
 
     def close_feed(self) -> None:

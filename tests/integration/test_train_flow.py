@@ -90,18 +90,30 @@ def test_cli_train_runs_a_flow_and_prints_the_before_after_table(tiny_model_dir,
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(Path(__file__).parent)}
     env.pop("PREFECT_API_URL", None)
     out = subprocess.run(
         [sys.executable, "-m", "deployments.cli", "train", "--hf-checkpoint", str(tiny_model_dir),
          "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-         "--rollout-max-response-len", "3", "--eval-num-prompts", "4", "--storage-root", str(tmp_path / "runs")],
+         "--rollout-max-response-len", "3", "--eval-num-prompts", "4", "--storage-root", str(tmp_path / "runs"),
+         "--custom-rm-path", "test_train_flow:first_sample_fails"],
         cwd=repo, env=env, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "starting policy" in out.stdout and "after   2 GRPO steps" in out.stdout
     assert str(tmp_path / "runs") in out.stdout
-    assert "step   2/2" in out.stdout + out.stderr
+    logs = out.stdout + out.stderr
+    assert "step   2/2" in logs
+    # partial reward failures reach the log, with what failed
+    assert "step 1: 4 of 8 samples' rewards failed (they train nothing): group 0 sample 0: reward: ValueError: " \
+           "the judge refused sample 0" in logs, logs[-3000:]
+
+
+def first_sample_fails(sample) -> float:
+    """A reward that fails for the first sample of every group (a third-party judge that refuses some)."""
+    if sample.sample_index == 0:
+        raise ValueError("the judge refused sample 0")
+    return 0.0
 
 
 def test_sync_flow_on_s3_moves_samples_and_weights_through_the_endpoint(prefect_backend, tiny_model_dir, tmp_path):
