@@ -736,6 +736,10 @@ class StorageConfig(_Base):
     segment_compression: Literal["zstd", "lz4", "none"] = "zstd"
     """Codec of sample-stream segments. ``zstd`` is the smallest (for object storage); ``lz4`` and
     ``none`` cost less CPU on fast local disks. Readers decode any of them."""
+    max_outage_s: float = Field(default=120.0, gt=0)
+    """How long an unreachable or failing storage endpoint (connection errors, timeouts, 5xx) is
+    retried, with back-off, before the run fails naming the object and the endpoint: run files,
+    segments, cursors, weights and the fleet's control plane alike."""
 
 
 # ----------------------------------------------------------------------------------------- lora

@@ -59,10 +59,10 @@ class AdapterSession:
         self.run, self.name = run, name
         self.refs = RunRefs(run_id=name, run_dir=join(run.refs.run_dir, "adapters", name),
                             model_dir=run.refs.model_dir)
-        opts = cfg.storage.storage_options
+        opts, retry = cfg.storage.storage_options, run.files.layout.retry
         self.cfg = cfg.model_copy(update={"name": "adapters", "storage": cfg.storage.model_copy(update={"root": run.refs.run_dir})})
-        layout = RunLayout(run.refs.run_dir, "adapters", name, opts)
-        self.files = RunFiles(layout, run.files.stream, WeightStore(layout.weights, storage_options=opts))
+        layout = RunLayout(run.refs.run_dir, "adapters", name, opts, retry=retry)
+        self.files = RunFiles(layout, run.files.stream, WeightStore(layout.weights, storage_options=opts, retry=retry))
         per_adapter = run.cfg.multi_lora.rollout_source == "per_adapter"
         self.training = TrainerSide(
             self.cfg, self.refs, self.files, reader=adapter_reader(name),

@@ -41,6 +41,7 @@ from typing import Any
 
 from miles_core.storage.fs import (
     DEFAULT_RETRY,
+    RetryPolicy,
     atomic_write,
     create_only_write,
     io_pool,
@@ -68,9 +69,11 @@ def stream_name(producer: str) -> str:
 class _Files:
     """Small JSON objects under ``<run>/fleet/``, every call retried on transient storage errors."""
 
-    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> None:
         self.fs, run_dir = open_fs(run_dir_url, storage_options)
         self.root = join(run_dir, FLEET)
+        self.retry = retry or DEFAULT_RETRY
 
     def path(self, rel: str) -> str:
         return join(self.root, rel)
@@ -79,7 +82,7 @@ class _Files:
         return to_url(self.fs, self.path(rel))
 
     def _call(self, fn, rel: str):
-        return with_retries(fn, self.url(rel), self.fs, DEFAULT_RETRY)
+        return with_retries(fn, self.url(rel), self.fs, self.retry)
 
     def read(self, rel: str) -> Any | None:
         data = self._call(lambda: read_bytes(self.fs, self.path(rel)), rel)
@@ -96,7 +99,7 @@ class _Files:
 
     def create(self, rel: str, obj: Any) -> None:
         """Write only if nothing is there (FileExistsError otherwise)."""
-        create_only_write(self.fs, self.path(rel), json.dumps(obj, sort_keys=True).encode())
+        create_only_write(self.fs, self.path(rel), json.dumps(obj, sort_keys=True).encode(), self.retry)
 
     def exists(self, rel: str) -> bool:
         return bool(self._call(lambda: self.fs.exists(self.path(rel)), rel))
@@ -169,8 +172,8 @@ class PromptLog:
     """The run's prompt log (``fleet/claims/``); see the module docstring."""
 
     def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None,
-                 draw: Draw | None = None, start_cursor: Any = None) -> None:
-        self.files = _Files(run_dir_url, storage_options)
+                 draw: Draw | None = None, start_cursor: Any = None, retry: RetryPolicy | None = None) -> None:
+        self.files = _Files(run_dir_url, storage_options, retry)
         self.draw = draw
         self.start_cursor = start_cursor
         """The cursor before the first entry (a fresh run: None)."""
@@ -288,8 +291,9 @@ class Signals:
 class ControlPlane:
     """Heartbeats, stop, pause and fences of one run's fleet."""
 
-    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.files = _Files(run_dir_url, storage_options)
+    def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        self.files = _Files(run_dir_url, storage_options, retry)
 
     # -- producers write
     def beat(self, hb: Heartbeat) -> None:
@@ -431,6 +435,12 @@ class FleetMonitor:
         self._polled_at = now
         self.polls += 1
         beats = self.control.heartbeats()
+        blind = self.clock() - now
+        if blind > self.poll_s:  # storage was slow or down for the trainer too: nobody could be seen meanwhile
+            for w in self.watched.values():
+                w.beat_seen_at += blind
+                w.launched_at += blind
+            now = self.clock()
         joined = [p for p in beats if p not in self.watched]
         if joined:
             fenced = self.control.signals().fenced

@@ -55,8 +55,8 @@ class Fleet:
         opts = cfg.storage.storage_options
         self.cfg, self.refs, self.launcher, self.warn = cfg, refs, launcher, warn
         self.base_stream = base_stream
-        self.control = ControlPlane(refs.run_dir, opts)
-        self.log = PromptLog(refs.run_dir, opts)
+        self.control = ControlPlane(refs.run_dir, opts, retry=base_stream.retry)
+        self.log = PromptLog(refs.run_dir, opts, retry=base_stream.retry)
         self.monitor = FleetMonitor(self.control, self.log, self._written, a.producer_heartbeat_timeout_s,
                                     a.producer_start_timeout_s, ended=launcher.ended)
         self.restarts_left = a.producer_restarts

@@ -142,15 +142,15 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
 
     a = cfg.async_rollout
     opts = cfg.storage.storage_options
-    control = ControlPlane(refs.run_dir, opts)
+    files, loop = RunFiles.open(cfg, refs), EngineLoop()
+    control = ControlPlane(refs.run_dir, opts, retry=files.layout.retry)
     link = ProducerLink(control, Heartbeat(producer_id, "starting", flow_run_id=flow_run_id), a.producer_heartbeat_s,
                         cancel, parent_pid)
     link.beat()
     starting = link.beat_while_starting()
-    files, loop = RunFiles.open(cfg, refs), EngineLoop()
     side = RolloutSide(cfg, refs, files, loop)
     try:
-        prompt_log = PromptLog(refs.run_dir, opts, draw=side.source.draw)
+        prompt_log = PromptLog(refs.run_dir, opts, draw=side.source.draw, retry=files.layout.retry)
         prompts = ClaimedPrompts(prompt_log, producer_id, side.render_rows, a.prompt_claim_size)
         stream = files.stream.sibling(stream_name(producer_id))
         producer = side.producer(prompts, stream, files.weights, link=link,

@@ -66,15 +66,16 @@ class RunFiles:
 
     @classmethod
     def open(cls, cfg: RunConfig, refs: RunRefs) -> RunFiles:
+        from miles_core.storage.fs import outage_retry
         from miles_core.storage.layout import RunLayout
         from miles_core.storage.stream import SampleStream
         from miles_core.storage.weights import WeightStore
 
-        opts = cfg.storage.storage_options
-        layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts)
-        stream = SampleStream(refs.run_dir, producer="rollout", storage_options=opts,
+        opts, retry = cfg.storage.storage_options, outage_retry(cfg.storage.max_outage_s)
+        layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts, retry=retry)
+        stream = SampleStream(refs.run_dir, producer="rollout", storage_options=opts, retry=retry,
                               compression=cfg.storage.segment_compression)
-        return cls(layout, stream, WeightStore(layout.weights, storage_options=opts))
+        return cls(layout, stream, WeightStore(layout.weights, storage_options=opts, retry=retry))
 
 
 class EngineLoop:

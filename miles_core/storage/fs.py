@@ -203,6 +203,12 @@ class RetryPolicy:
 DEFAULT_RETRY = RetryPolicy()
 NO_RETRY = RetryPolicy(attempts=1)
 
+
+def outage_retry(max_outage_s: float) -> RetryPolicy:
+    """Retry transient errors for up to ``max_outage_s`` seconds (``storage.max_outage_s``), backing
+    off to one attempt every 5 s."""
+    return RetryPolicy(attempts=10_000, initial_delay=0.2, multiplier=2.0, max_delay=5.0, deadline=max_outage_s)
+
 _TRANSIENT_ERRNOS = {
     errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
     errno.EBUSY, errno.EAGAIN, getattr(errno, "EREMOTEIO", 121), errno.EHOSTUNREACH, errno.ENETUNREACH,

@@ -29,7 +29,17 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from miles_core.storage.fs import atomic_write, join, list_names, open_fs, read_bytes, to_url
+from miles_core.storage.fs import (
+    DEFAULT_RETRY,
+    RetryPolicy,
+    atomic_write,
+    join,
+    list_names,
+    open_fs,
+    read_bytes,
+    to_url,
+    with_retries,
+)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 CHECKPOINTS = "checkpoints"
@@ -75,8 +85,11 @@ class RunLayout:
     """The URLs of one run's files; reads and writes its small JSON files, lists and prunes its
     checkpoints. Building one touches no storage."""
 
-    def __init__(self, root_url: str, name: str, run_id: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, root_url: str, name: str, run_id: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None):
         self.fs, root = open_fs(root_url, storage_options)
+        self.retry = retry or DEFAULT_RETRY
+        """Transient storage errors are retried by this policy (a run's: ``storage.max_outage_s``)."""
         self.name = check_name("run", name)
         self.run_id = check_name("run id", run_id)
         self.path = join(root, name, run_id)
@@ -123,7 +136,8 @@ class RunLayout:
     def checkpoints(self) -> list[int]:
         """Steps of the complete checkpoints (those with ``state.json``), ascending."""
         pattern = join(self.path, CHECKPOINTS, "step-*", CHECKPOINT_STATE)
-        return _checkpoint_steps(marker.rsplit("/", 2)[-2] for marker in self.fs.glob(pattern))
+        markers = self._call(lambda: self.fs.glob(pattern), CHECKPOINTS)
+        return _checkpoint_steps(marker.rsplit("/", 2)[-2] for marker in markers)
 
     def latest_checkpoint(self) -> int | None:
         """The step of the newest complete checkpoint, or None when there is none."""
@@ -149,10 +163,20 @@ class RunLayout:
             self.fs.rm(folder, recursive=True)
         return doomed
 
+    def _call(self, fn, rel: str):
+        """``fn()``, retried on transient storage errors; the error names ``rel``'s URL."""
+        return with_retries(fn, self.url(rel), self.fs, self.retry)
+
+    def _write(self, rel: str, data: bytes) -> str:
+        self._call(lambda: atomic_write(self.fs, join(self.path, rel), data), rel)
+        return self.url(rel)
+
+    def _read(self, rel: str) -> bytes | None:
+        return self._call(lambda: read_bytes(self.fs, join(self.path, rel)), rel)
+
     def write_json(self, rel: str, obj: Any) -> str:
         """Replace the JSON file ``rel`` under the run folder atomically; returns its URL."""
-        atomic_write(self.fs, join(self.path, rel), json.dumps(obj, indent=2, sort_keys=True).encode())
-        return self.url(rel)
+        return self._write(rel, json.dumps(obj, indent=2, sort_keys=True).encode())
 
     def write_text(self, rel: str, text: str) -> str:
         """Replace the text file ``rel`` under the run folder atomically (a report); returns its URL."""
@@ -160,24 +184,21 @@ class RunLayout:
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         """Replace the file ``rel`` under the run folder atomically (an image); returns its URL."""
-        atomic_write(self.fs, join(self.path, rel), data)
-        return self.url(rel)
+        return self._write(rel, data)
 
     def read_json(self, rel: str) -> Any | None:
         """The JSON file ``rel`` under the run folder, or None when it does not exist."""
-        data = read_bytes(self.fs, join(self.path, rel))
+        data = self._read(rel)
         return None if data is None else json.loads(data)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         """The rows of the JSON-lines file ``rel`` (empty when it does not exist)."""
-        data = read_bytes(self.fs, join(self.path, rel))
+        data = self._read(rel)
         return [] if data is None else [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
     def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> str:
         """Replace the JSON-lines file ``rel`` (object stores cannot append, so the whole file)."""
-        data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
-        atomic_write(self.fs, join(self.path, rel), data)
-        return self.url(rel)
+        return self._write(rel, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
 
     def __repr__(self) -> str:
         return f"RunLayout({self.run_dir!r})"

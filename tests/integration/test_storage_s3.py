@@ -3,6 +3,7 @@ plus what only a network endpoint can do: restart mid-stream, stay down."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -136,3 +137,59 @@ def test_checkpoints_and_weight_rollback_on_s3(root, storage_options):
     assert store.versions() == [2] and store._read_latest_hint() == 2
     store.publish(4, state_dict(40.0))
     assert store.latest() == 4
+
+
+def test_a_fully_async_run_survives_an_s3_outage_longer_than_a_request_retry(prefect_backend, tiny_model_dir,
+                                                                            local_s3, tmp_path):
+    """The S3 endpoint (behind a proxy that cuts the line, its state kept) goes away for 15 s in the
+    middle of a fully-async run: the trainer and its producer process both wait it out
+    (``storage.max_outage_s``, 120 s by default; one request's retries alone give up after 10 s)
+    and the run completes with every step, every prompt of the log written or given back."""
+    from doubles.tcp_proxy import TcpProxy
+    from flows.train import train
+    from miles_core.config import RunConfig
+    from test_fleet_processes import assert_prompts_exactly_once
+
+    bucket = local_s3.make_bucket(f"outage-{uuid.uuid4().hex[:8]}")
+    proxy = TcpProxy(local_s3.port)
+    through_proxy = {**local_s3.storage_options, "endpoint_url": proxy.url}
+    cfg = RunConfig.model_validate({
+        "name": "outage", "mode": "fully_async", "run_id": "outage",
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"type": "toy", "num_prompts": 512},
+        "rollout": {"num_rollout": 12, "rollout_batch_size": 4, "n_samples_per_prompt": 2,
+                    "rollout_max_response_len": 3},
+        "train": {"global_batch_size": 8, "micro_batch_size": 8},
+        "eval": {"eval_interval": None, "num_prompts": 4},
+        "storage": {"root": f"{bucket}/runs", "storage_options": through_proxy},
+    })
+    import s3fs
+
+    direct = s3fs.S3FileSystem(**local_s3.storage_options)  # the test's own view, not through the proxy
+    metrics = f"{bucket.removeprefix('s3://')}/runs/outage/outage/metrics.jsonl"
+    witness: dict[str, int] = {}
+
+    def steps() -> int:
+        return len(direct.cat_file(metrics).decode().splitlines()) if direct.exists(metrics) else 0
+
+    def outage():
+        deadline = time.monotonic() + 300
+        while steps() < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        witness["cut_at_step"] = steps()
+        proxy.cut()
+        time.sleep(15)
+        witness["restored_at_step"] = steps()
+        proxy.restore()
+
+    cutter = threading.Thread(target=outage, daemon=True)
+    cutter.start()
+    try:
+        state = train(cfg, return_state=True)
+    finally:
+        cutter.join(timeout=30)
+        proxy.close()
+    assert state.is_completed(), state
+    assert 3 <= witness["cut_at_step"] < 12 and witness["restored_at_step"] == witness["cut_at_step"], witness
+    assert [json.loads(line)["step"] for line in direct.cat_file(metrics).decode().splitlines()] == list(range(1, 13))
+    assert_prompts_exactly_once(f"{bucket}/runs/outage/outage", local_s3.storage_options)

@@ -164,6 +164,32 @@ def test_a_silent_producer_is_dead_after_the_timeout_and_its_unwritten_prompts_g
     assert PromptLog(run_dir, draw=counter_draw(100)).claim("p1", 3).rows == [1, 3, 8]
 
 
+def test_time_the_trainer_itself_could_not_read_storage_does_not_count_against_producers(run_dir):
+    """A storage outage blinds everyone: a heartbeat read that took 15 s (retried through the outage)
+    is not 15 s of silence from the producers; silence after it still counts."""
+    clock = Clock()
+    log = PromptLog(run_dir, draw=counter_draw(10))
+    monitor = _monitor(run_dir, log, clock)
+    control = ControlPlane(run_dir)
+    monitor.watch("p0")
+    hb = Heartbeat("p0", "running")
+    control.beat(hb)
+    assert monitor.poll() == []
+    read = monitor.control.heartbeats
+
+    def slow_read():
+        clock.now += 15  # the endpoint was down: the read was retried until it came back
+        return read()
+
+    monitor.control.heartbeats = slow_read
+    clock.now += 1
+    assert monitor.poll() == [] and monitor.alive == ["p0"]
+    monitor.control.heartbeats = read
+    clock.now += 11  # then 11 s of real silence: dead
+    [dead] = monitor.poll()
+    assert dead.producer == "p0" and "no heartbeat for 12.0 s" in dead.dead
+
+
 def test_a_producer_that_wrote_failed_is_dead_with_its_traceback(run_dir):
     clock = Clock()
     log = PromptLog(run_dir, draw=counter_draw(10))
