@@ -23,6 +23,7 @@ from deployments import server as prefect_server
 from miles_core.cli import build_parser, resolve_config
 from miles_core import stopping
 from miles_core.engines import server as engine_server
+from miles_core.storage.lease import RunBusy
 
 
 def _quiet_defaults() -> None:
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         stopping.install_stop_handlers()
         try:
             return _train(args.command, cfg)
+        except RunBusy as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         except stopping.RunStopped as e:
             print(f"\n{e}", file=sys.stderr)
             if e.checkpoint_step is not None:

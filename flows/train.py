@@ -48,7 +48,7 @@ from prefect.artifacts import (
 from flows.begin import begin_run
 from miles_core.config import RunConfig
 from miles_core.report import data_url, run_curves
-from miles_core.run import RolloutRef, RunRefs, TrainRef, checkpoint_due, close_session, get_session
+from miles_core.run import RolloutRef, RunRefs, TrainRef, check_lease, checkpoint_due, close_session, get_session
 from miles_core.stopping import RunStopped, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
@@ -134,6 +134,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 if "eval_accuracy" in row:
                     log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
                 update_progress_artifact(progress, 100.0 * (step + 1) / total)
+                check_lease(refs)  # another trainer took this run over (after this one stalled): stop
                 if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
                     raise _stopped(cfg, refs, session, step + 1, r)
         after = session.history.eval_rows[-1] if session.history.eval_rows else None

@@ -31,7 +31,7 @@ from typing import Any
 
 from miles_core.config import RunConfig
 from miles_core.rollout.producer import ProducerMeter, RolloutProducer
-from miles_core.run import RunRegistry
+from miles_core.run import RunRegistry, release_lease
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
@@ -229,7 +229,10 @@ def get_multi_lora_run(cfg: RunConfig, refs: RunRefs) -> MultiLoraRun:  # a func
 
 
 def close_multi_lora_run(refs: RunRefs) -> None:
-    _RUNS.close(refs)
+    try:
+        _RUNS.close(refs)
+    finally:
+        release_lease(refs)
 
 
 def adapter_summary(session: AdapterSession, before: dict[str, Any] | None, error: str | None) -> dict[str, Any]:

@@ -42,15 +42,44 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     return interval is not None and (step % interval == 0 or step == cfg.rollout.num_rollout)
 
 
-def prepare_run(cfg: RunConfig, log=print) -> RunRefs:
+def prepare_run(cfg: RunConfig, log=print, owner: dict[str, Any] | None = None) -> RunRefs:
+    """Build or find the starting model, take the run's lease (one trainer per run: ``RunBusy``
+    when another process trains this run id; ``owner`` is what the lease says of this one, e.g.
+    its flow run), then write the config (without secrets)."""
     from miles_core.models.tiny import ensure_model
+    from miles_core.storage.lease import RunLease
     from miles_core.storage.layout import RunLayout, new_run_id
 
     model_dir = ensure_model(cfg.model, log=log)
     run_id = cfg.run_id or new_run_id()
     layout = RunLayout(cfg.storage.root, cfg.name, run_id, cfg.storage.storage_options)
+    lease = RunLease(layout, owner).acquire()
+    with _LEASES_LOCK:
+        _LEASES[layout.run_dir] = lease
     layout.write_json("config.json", cfg.public_dict())
     return RunRefs(run_id=run_id, run_dir=layout.run_dir, model_dir=str(model_dir))
+
+
+_LEASES: dict[str, Any] = {}
+_LEASES_LOCK = threading.Lock()
+
+
+def release_lease(refs: RunRefs) -> None:
+    """Give back the run's lease (``prepare_run`` took it); nothing if this process holds none."""
+    with _LEASES_LOCK:
+        lease = _LEASES.pop(refs.run_dir, None)
+    if lease is not None:
+        lease.release()
+
+
+def check_lease(refs: RunRefs) -> None:
+    """Raise ``RunBusy`` if another trainer took the run's lease over from this one."""
+    from miles_core.storage.lease import RunBusy
+
+    with _LEASES_LOCK:
+        lease = _LEASES.get(refs.run_dir)
+    if lease is not None and lease.lost:
+        raise RunBusy(f"run {refs.run_id} lost its lease ({lease.lost}); this trainer stops")
 
 
 class RunSession:
@@ -180,4 +209,7 @@ def get_session(cfg: RunConfig, refs: RunRefs) -> RunSession:
 
 
 def close_session(refs: RunRefs) -> None:
-    _SESSIONS.close(refs)
+    try:
+        _SESSIONS.close(refs)
+    finally:
+        release_lease(refs)

@@ -14,7 +14,9 @@ from tasks.slots import device_slots
 
 @task(name="prepare-run", cache_policy=NO_CACHE, task_run_name="prepare-run")
 def prepare_run(cfg: RunConfig) -> RunRefs:
-    return _prepare_run(cfg, log=get_run_logger().info)
+    from prefect.runtime import flow_run
+
+    return _prepare_run(cfg, log=get_run_logger().info, owner={"flow_run_id": flow_run.id})
 
 
 @task(name="resume-run", cache_policy=NO_CACHE, task_run_name="resume-run")

@@ -174,6 +174,16 @@ class RunLayout:
     def _read(self, rel: str) -> bytes | None:
         return self._call(lambda: read_bytes(self.fs, join(self.path, rel)), rel)
 
+    def remove(self, rel: str) -> None:
+        """Delete the file ``rel`` under the run folder (nothing if it is not there)."""
+        path = join(self.path, rel)
+
+        def rm() -> None:
+            if self.fs.exists(path):
+                self.fs.rm_file(path)
+
+        self._call(rm, rel)
+
     def write_json(self, rel: str, obj: Any) -> str:
         """Replace the JSON file ``rel`` under the run folder atomically; returns its URL."""
         return self._write(rel, json.dumps(obj, indent=2, sort_keys=True).encode())

@@ -124,3 +124,22 @@ def test_a_second_ctrl_c_stops_the_run_at_once(tiny_model_dir, tmp_path):
     assert code == 130 and "stopping the run at once" in err, err[-3000:]
     assert seconds < 3, f"stopped after {seconds:.1f} s"
     assert not _left_in(session), _left_in(session)
+
+
+def test_a_second_trainer_of_a_running_run_is_refused_and_the_first_goes_on(tiny_model_dir, tmp_path):
+    first = _miles_train(tmp_path, tiny_model_dir, "--run-id", "busy")
+    wait_for(lambda: _steps(tmp_path) >= 1, 180, "a training step")
+    second = _miles_train(tmp_path, tiny_model_dir, "--run-id", "busy", "--num-rollout", "2")
+    try:
+        assert second.wait(timeout=120) == 1
+        err = _output(second)[1]
+        assert "run busy (" in err and f"is being trained by pid {_run_session(first)} on " in err, err[-3000:]
+        assert "wait for that run to end, or use a new run id" in err
+        config = json.loads(next((tmp_path / "runs").glob("*/busy/config.json")).read_text())
+        assert config["rollout"]["num_rollout"] == 400, "the refused trainer wrote nothing"
+        done = _steps(tmp_path)
+        wait_for(lambda: _steps(tmp_path) > done, 60, "the first trainer going on")
+    finally:
+        code, err, _ = _stop(first, signal.SIGINT, within=10)
+    assert code == 130, err[-3000:]
+    assert not list((tmp_path / "runs").glob("*/busy/lease.json")), "a run that ended gives its lease back"

@@ -1,0 +1,85 @@
+"""One trainer per run: the run folder's lease (``miles_core.storage.lease``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from miles_core.storage.layout import RunLayout
+from miles_core.storage.lease import LEASE_FILE, RunBusy, RunLease
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def layout(tmp_path):
+    return RunLayout(str(tmp_path / "runs"), "r", "run-1")
+
+
+@pytest.fixture
+def other_process():
+    """A live process of this host that is not this one (the holder of a lease)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _held_by(layout, pid: int, clock, host: str | None = None, flow_run_id: str | None = "fr-1") -> None:
+    layout.write_json(LEASE_FILE, {"host": host or socket.gethostname(), "pid": pid, "flow_run_id": flow_run_id,
+                                   "token": "theirs", "renewed_at": clock(), "ttl_s": 60.0})
+
+
+def test_a_live_lease_refuses_a_second_trainer_naming_the_holder(layout, other_process):
+    clock = Clock()
+    _held_by(layout, other_process, clock)
+    clock.now += 5
+    with pytest.raises(RunBusy) as busy:
+        RunLease(layout, clock=clock).acquire()
+    text = str(busy.value)
+    assert f"is being trained by pid {other_process} on {socket.gethostname()} (flow run fr-1)" in text
+    assert "renewed 5 s ago" in text and "use a new run id" in text
+    assert layout.read_json(LEASE_FILE)["token"] == "theirs", "the holder's lease is left as it was"
+
+
+def test_a_lease_of_another_host_is_live_until_it_expires(layout):
+    clock = Clock()
+    _held_by(layout, 12345, clock, host="elsewhere")
+    clock.now += 59
+    with pytest.raises(RunBusy, match="pid 12345 on elsewhere"):
+        RunLease(layout, clock=clock).acquire()
+    clock.now += 2  # not renewed for 61 s > 60 s: its holder is gone or cut off
+    lease = RunLease(layout, owner={"flow_run_id": "fr-2"}, clock=clock).acquire()
+    try:
+        held = layout.read_json(LEASE_FILE)
+        assert held["token"] == lease.token and held["flow_run_id"] == "fr-2" and held["pid"] == os.getpid()
+    finally:
+        lease.release()
+    assert layout.read_json(LEASE_FILE) is None
+
+
+def test_the_lease_of_a_killed_process_of_this_host_is_taken_at_once(layout):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    clock = Clock()
+    _held_by(layout, dead.pid, clock)
+    lease = RunLease(layout, clock=clock).acquire()
+    lease.release()
+
+
+def test_release_leaves_a_lease_that_is_not_its_own(layout, other_process):
+    clock = Clock()
+    lease = RunLease(layout, clock=clock)
+    _held_by(layout, other_process, clock)  # taken over meanwhile
+    lease.release()
+    assert layout.read_json(LEASE_FILE)["token"] == "theirs"
