@@ -1,6 +1,7 @@
 """Ctrl-C and SIGTERM of `miles train`, as a user sends them: the run stops after the step in
 progress (a sync run with its checkpoint and the command that resumes it; a fully-async run with
-its producers), leaves only whole segments and no process behind; a second Ctrl-C stops it at once."""
+its producers), leaves only whole segments and no process behind; a second Ctrl-C stops it at once.
+A second trainer of a running run is refused (the run folder's lease)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,18 @@ def _no_partial_segments(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_a_sync_run_after_its_step_with_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_path):
-    proc = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "100")
+    """Also: while it runs, a second trainer of the same run id is refused and writes nothing."""
+    proc = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "100", "--run-id", "busy")
     session = _run_session(proc)
+    wait_for(lambda: _steps(tmp_path) >= 1, 180, "a training step")
+    second = _miles_train(tmp_path, tiny_model_dir, "--run-id", "busy", "--num-rollout", "2")
+    assert second.wait(timeout=120) == 1
+    err = _output(second)[1]
+    assert f"run busy ({tmp_path / 'runs'}" in err and f"is being trained by pid {session} on " in err, err[-3000:]
+    assert "wait for that run to end, or use a new run id" in err
+    config = json.loads(next((tmp_path / "runs").glob("*/busy/config.json")).read_text())
+    assert config["rollout"]["num_rollout"] == 400, "the refused trainer wrote nothing"
+
     wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
     code, err, seconds = _stop(proc, signal.SIGINT, within=10)
     assert code == 130, err[-3000:]
@@ -92,6 +103,7 @@ def test_ctrl_c_stops_a_sync_run_after_its_step_with_a_checkpoint_and_says_how_t
     resume = next(line for line in err.splitlines() if line.startswith("resume it with: miles train "))
     assert resume.endswith(f"--run-id {run_dir.name}")
     _no_partial_segments(tmp_path)
+    assert not (run_dir / "lease.json").exists(), "a run that ended gives its lease back"
 
     # the printed command resumes it (here with two more steps to go)
     again = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "100", "--num-rollout", str(done + 2),
@@ -125,21 +137,3 @@ def test_a_second_ctrl_c_stops_the_run_at_once(tiny_model_dir, tmp_path):
     assert seconds < 3, f"stopped after {seconds:.1f} s"
     assert not _left_in(session), _left_in(session)
 
-
-def test_a_second_trainer_of_a_running_run_is_refused_and_the_first_goes_on(tiny_model_dir, tmp_path):
-    first = _miles_train(tmp_path, tiny_model_dir, "--run-id", "busy")
-    wait_for(lambda: _steps(tmp_path) >= 1, 180, "a training step")
-    second = _miles_train(tmp_path, tiny_model_dir, "--run-id", "busy", "--num-rollout", "2")
-    try:
-        assert second.wait(timeout=120) == 1
-        err = _output(second)[1]
-        assert "run busy (" in err and f"is being trained by pid {_run_session(first)} on " in err, err[-3000:]
-        assert "wait for that run to end, or use a new run id" in err
-        config = json.loads(next((tmp_path / "runs").glob("*/busy/config.json")).read_text())
-        assert config["rollout"]["num_rollout"] == 400, "the refused trainer wrote nothing"
-        done = _steps(tmp_path)
-        wait_for(lambda: _steps(tmp_path) > done, 60, "the first trainer going on")
-    finally:
-        code, err, _ = _stop(first, signal.SIGINT, within=10)
-    assert code == 130, err[-3000:]
-    assert not list((tmp_path / "runs").glob("*/busy/lease.json")), "a run that ended gives its lease back"
