@@ -392,17 +392,28 @@ class TorchTrainer:
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
 
     def save(self, uri: str) -> None:
-        """torch.save of ``state_dict()`` to ``uri``, written to ``<uri>.tmp`` then moved into place."""
+        """torch.save of ``state_dict()`` to ``uri``, written to ``<uri>.tmp`` then moved into place;
+        transient storage errors are retried as the weight store's are (``storage.max_outage_s``)."""
+        from miles_core.storage.fs import with_retries
+
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        save_torch(fs, path, self.state_dict())
+        state = self.state_dict()
+        with_retries(lambda: save_torch(fs, path, state), uri, fs, self._retry)
 
     def load(self, uri: str) -> None:
+        from miles_core.storage.fs import read_bytes, with_retries
+
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        if not fs.exists(path):
+        data = with_retries(lambda: read_bytes(fs, path), uri, fs, self._retry)
+        if data is None:
             raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
-        with fs.open(path, "rb") as f:
-            data = f.read()
         self.load_state_dict(torch.load(io.BytesIO(data), map_location=self.device, weights_only=True))
+
+    @property
+    def _retry(self):
+        from miles_core.storage.fs import DEFAULT_RETRY
+
+        return getattr(self.weight_store, "retry", DEFAULT_RETRY)
 
 
 def _wrap_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:

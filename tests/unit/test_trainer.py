@@ -496,3 +496,31 @@ def test_trainer_refuses_disagreeing_batch_settings(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="disagree: a batch of 8 samples"):
         trainer.step(make_batch(REWARDS_A))
     assert trainer.version == 0
+
+
+def test_trainer_state_saves_and_loads_through_a_storage_outage(tiny_model_dir, tmp_path, monkeypatch):
+    """A checkpoint's trainer state is retried like every other run file: an endpoint that fails
+    twice (connection refused) and then answers loses nothing."""
+    from miles_core.storage.fs import RetryPolicy
+    from miles_core.train import torch_trainer
+
+    store = FakeWeightStore(tmp_path)
+    store.retry = RetryPolicy(attempts=5, initial_delay=0.0, deadline=30.0)
+    trainer = TorchTrainer(str(tiny_model_dir), TrainConfig(global_batch_size=8), store)
+    trainer.step(make_batch([[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]]))
+    real_save, failures = torch_trainer.save_torch, []
+
+    def flaky_save(fs, path, state):
+        if len(failures) < 2:
+            failures.append(path)
+            raise ConnectionRefusedError("endpoint down")
+        real_save(fs, path, state)
+
+    monkeypatch.setattr(torch_trainer, "save_torch", flaky_save)
+    uri = str(tmp_path / "ckpt" / "trainer.pt")
+    trainer.save(uri)
+    assert len(failures) == 2
+    again = TorchTrainer(str(tiny_model_dir), TrainConfig(global_batch_size=8), store)
+    again.load(uri)
+    assert again.version == trainer.version == 1
+    assert_same_params(again, trainer, atol=0)
