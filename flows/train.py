@@ -284,7 +284,22 @@ class InRunEvals:
         self.pool.shutdown(wait=True)
         if exc[0] is None:
             for future in self.futures:
-                future.result().result()  # a failed evaluation fails the run with its error
+                _raise_unless_completed(future.result())
+
+
+def _raise_unless_completed(state) -> None:
+    """A failed evaluation fails the run with its error. A completed one is not asked for its result:
+    its row is in the run's history already, and a subflow state Prefect read back from its API may
+    carry no data (``MissingResult``), which once failed a run whose evaluations had all succeeded."""
+    from prefect.exceptions import MissingResult
+
+    if state.is_completed():
+        return
+    try:
+        state.result()  # raises the evaluation's own error
+    except MissingResult:
+        pass
+    raise RuntimeError(f"in-run evaluation {state.name!r} ended {state.type.value}: {state.message}")
 
 
 def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str, float] | None:
