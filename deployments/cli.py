@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         except stopping.RunStopped as e:
             print(f"\n{e}", file=sys.stderr)
             if e.checkpoint_step is not None:
-                again = [a for a in (sys.argv[1:] if argv is None else argv)]
-                print(f"resume it with: miles {' '.join(_without_run_id(again))} --run-id {e.run_id}", file=sys.stderr)
+                again = _without_run_id(sys.argv[1:] if argv is None else list(argv))
+                print(f"resume it with: miles {' '.join(again)} --run-id {e.run_id}", file=sys.stderr)
             return 130
     return 0
 

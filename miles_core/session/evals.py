@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from miles_core.config import EvalDatasetConfig, RunConfig
 from miles_core.rollout.generate import PromptItem, generate_groups, sampling_params
 from miles_core.session.history import RunHistory
-from miles_core.session.parts import EngineLoop, built_once, eval_prompts, is_built, setup_policy_engine
+from miles_core.session.parts import EngineLoop, built_once, eval_prompts, is_built, setup_policy_engine, weights_uri
 from miles_core.session.refs import RunRefs
 
 if TYPE_CHECKING:
@@ -56,9 +56,6 @@ class Evaluator:
         LoRA, the run's adapter of it."""
         return setup_policy_engine(self.cfg, self.refs, self.cfg.eval.engine_config)
 
-    def weights_uri(self, version: int) -> str:
-        return self.weights.uri(version) if version > 0 else self.refs.model_dir
-
     def evaluate_version(self, step: int, version: int, record: bool = True) -> dict[str, float]:
         """Evaluate weights ``version`` on the separate engine, which loads it; the version is pinned
         meanwhile (retention keeps it). Evaluations take turns on the engine; training and rollouts
@@ -69,7 +66,7 @@ class Evaluator:
         try:
             with self._engine_lock:
                 if self.engine.weight_version != version:
-                    self.loop.run(self.engine.update_weights(self.weights_uri(version), version))
+                    self.loop.run(self.engine.update_weights(weights_uri(self.weights, self.refs, version), version))
                 return self.evaluate_on(self.engine, step, record)
         finally:
             if version > 0:

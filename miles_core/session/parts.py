@@ -124,6 +124,11 @@ def setup_policy_engine(cfg: RunConfig, refs: RunRefs, engine_cfg=None):
     return engine
 
 
+def weights_uri(weights: WeightStore, refs: RunRefs, version: int) -> str:
+    """Where the policy of ``version`` is: its snapshot, or the starting model for version 0."""
+    return weights.uri(version) if version > 0 else refs.model_dir
+
+
 def load_weights(loop: EngineLoop, engine, uri: str, version: int) -> float:
     """Load weights ``version`` from ``uri`` into ``engine`` unless it has them; the seconds it took."""
     t0 = time.perf_counter()

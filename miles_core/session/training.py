@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from miles_core.config import RunConfig
 from miles_core.rewards import MAX_ERRORS_KEPT, reward_errors
 from miles_core.rollout.generate import rollout_metrics
-from miles_core.session.parts import RunFiles, built_once, is_built
+from miles_core.session.parts import RunFiles, built_once, is_built, weights_uri
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
 from miles_core.stopping import RunStopped, stop_requested
 from miles_core.types import Group
@@ -64,8 +64,7 @@ class TrainerSide:
         self.producer_check, self.producer_metrics = fleet.check, fleet.metrics
 
     def weights_uri(self, version: int) -> str:
-        """Where the policy of ``version`` is: its snapshot, or the starting model for version 0."""
-        return self.files.weights.uri(version) if version > 0 else self.refs.model_dir
+        return weights_uri(self.files.weights, self.refs, version)
 
     def train(self, rollout: RolloutRef) -> TrainRef:
         """Read the rollout's segment, compute GRPO advantages, step the trainer, publish weights."""

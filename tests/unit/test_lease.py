@@ -29,9 +29,9 @@ def layout(tmp_path):
 @pytest.fixture
 def other_process():
     """A live process of this host that is not this one (the holder of a lease)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     yield proc.pid
-    proc.kill()
+    proc.stdin.close()  # it ends when its stdin does
     proc.wait()
 
 
