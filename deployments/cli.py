@@ -3,6 +3,7 @@
 Heavy imports (prefect, torch) happen only inside the command that needs them, so ``miles --help``
 and ``miles show-config`` answer at once. ``miles engine-serve`` takes its own flags (not a run
 config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``).
+``miles audit RUN`` prints what became of every prompt of a run (``miles_core.ledger``).
 ``miles server start|stop|status`` runs a local Prefect server on PostgreSQL (``deployments/server.py``)
 for concurrent runs and the UI; single runs keep Prefect's ephemeral default.
 
@@ -43,6 +44,12 @@ def cli_parser() -> argparse.ArgumentParser:
     text = "a local Prefect server on PostgreSQL (start | stop | status), for concurrent runs and the UI"
     prefect_server.add_arguments(sub.add_parser("server", help=text, description=text))
     serve_deployments.add_arguments(sub.choices["serve"])
+    text = "audit a run's prompt ledger: what became of every prompt; exits 1 if any was lost or trained twice"
+    audit = sub.add_parser("audit", help=text, description=text)
+    audit.add_argument("run_dir", metavar="RUN", help="the run's folder (a path, or a URL such as s3://bucket/runs/NAME/ID)")
+    audit.add_argument("--json", action="store_true", help="print the audit as JSON")
+    audit.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                       help="fsspec storage options for the run's URL, as JSON (e.g. an S3 endpoint)")
     return parser
 
 
@@ -53,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return engine_server.run(args)
     if args.command == "server":
         return prefect_server.run(args)
+    if args.command == "audit":
+        return _audit(args)
     if args.command == "config-doc":
         from miles_core.config_doc import config_markdown
 
@@ -95,6 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resume it with: miles {' '.join(again)} --run-id {e.run_id}", file=sys.stderr)
             return 130
     return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from miles_core.ledger import audit, format_audit
+
+    try:
+        result = audit(args.run_dir, args.storage_options)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: cannot audit {args.run_dir}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_audit(result))
+    return 0 if result.ok else 1
 
 
 def _without_run_id(argv: list[str]) -> list[str]:

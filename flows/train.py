@@ -124,7 +124,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 elif _due(cfg, step):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
                 session.history.record(step + 1, row)
-                if r is not None and checkpoint_due(cfg, step + 1):
+                if checkpoint_due(cfg, step + 1):
                     save_checkpoint(cfg, refs, step + 1, r)
                 log.info(_step_line(step, total, row))
                 if row.get("reward_failed"):
@@ -139,6 +139,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     raise _stopped(cfg, refs, session, step + 1, r)
         after = session.history.eval_rows[-1] if session.history.eval_rows else None
         summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
+        summary["audit"] = _audit(refs, cfg, log)
         session.finish(summary)
         _publish_artifacts(cfg, summary, session)
         return summary
@@ -149,11 +150,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | None) -> RunStopped:
     """The run was asked to stop after step ``done``: save a checkpoint there if the run keeps them."""
     text = f"run {refs.run_id} stopped after step {done} of {cfg.rollout.num_rollout}, as asked"
-    if cfg.checkpoint.save_interval is None or r is None:
-        why = ("fully_async runs cannot be checkpointed yet" if r is None else
-               "set --save-interval N to make a run resumable")
+    if done == 0:
+        return RunStopped(f"{text}; nothing to checkpoint before the first step (the same command starts it "
+                          "again)", refs.run_id)
+    if cfg.checkpoint.save_interval is None:
+        why = "set --save-interval N to make a run resumable"
         return RunStopped(f"{text}; no checkpoint ({why}); its steps are in {session.layout.metrics}", refs.run_id)
-    if not checkpoint_due(cfg, done):  # else the step's own checkpoint was just saved
+    if not checkpoint_due(cfg, done) and done not in session.layout.checkpoints():  # else it has one there
         save_checkpoint(cfg, refs, done, r)
     return RunStopped(f"{text}; checkpoint at step {done}: {session.layout.checkpoint(done)}", refs.run_id, done)
 
@@ -218,7 +221,10 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     launch_producers(cfg, refs)
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
-        t = train_from_stream(cfg, refs, step)
+        try:
+            t = train_from_stream(cfg, refs, step)
+        except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
+            raise _stopped(cfg, refs, session, step, None) from None
         row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
                REWARD_ERRORS: t.reward_errors}
         yield step, _with_idle(row), None
@@ -317,6 +323,15 @@ def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str
     return before
 
 
+def _audit(refs: RunRefs, cfg: RunConfig, log) -> dict[str, Any]:
+    """The run's prompt ledger, audited (``miles audit``); problems are logged as errors."""
+    from miles_core.ledger import audit, format_audit
+
+    result = audit(refs.run_dir, cfg.storage.storage_options, finished=True)
+    (log.info if result.ok else log.error)(format_audit(result))
+    return result.to_json()
+
+
 def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any]:
     return {
         "run_id": refs.run_id,
@@ -359,8 +374,17 @@ def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None
         f"- samples: {_link(summary['samples'])}",
         f"- weights: {_link(summary['weights'])} (latest version {summary['final_version']})",
         f"- wall time: {summary['seconds']} s",
+        f"- prompt ledger (`miles audit`): {_audit_line(summary['audit'])}",
     ])
     create_markdown_artifact(md, key=None, description=f"{cfg.name} summary")
+
+
+def _audit_line(a: dict[str, Any]) -> str:
+    t = a["tokens"]
+    counts = ", ".join(f"{n} {name}" for name, n in a["counts"].items())
+    head = "OK" if a["ok"] else f"**{a['num_problems']} problem(s)**: {'; '.join(a['problems'][:3])}"
+    return (f"{head}; {counts}; tokens generated {t.get('generated', 0)} = trained {t.get('trained', 0)} + "
+            f"rejected {t.get('rejected', 0)} + abandoned {t.get('abandoned', 0)}")
 
 
 def _link(url: str) -> str:

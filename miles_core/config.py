@@ -949,11 +949,6 @@ class RunConfig(_Base):
             )
         if self.multi_lora is not None:
             self._check_multi_lora()
-        if self.mode == "fully_async" and self.checkpoint.save_interval is not None and self.multi_lora is None:
-            raise ValueError(
-                "checkpoint.save_interval: fully_async runs cannot be checkpointed and resumed yet "
-                "(the producer's in-flight state is not part of a checkpoint); use sync or async mode"
-            )
         if self.eval.engine == "separate" and self.eval.engine_config is None and getattr(self.engine, "url", None):
             raise ValueError(
                 f"eval.engine = 'separate' needs an evaluation engine of its own, but the rollout engine is the "

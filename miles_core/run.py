@@ -36,6 +36,10 @@ __all__ = ["RolloutRef", "RunRefs", "RunSession", "TrainRef", "checkpoint_due", 
            "prepare_run"]
 
 
+FRESH_FEED = {"streams": {}, "log_seq": -1}
+"""A fully-async run with no checkpoint: every stream is read from its start."""
+
+
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     """Whether the run saves a checkpoint after ``step`` (1-based) training steps."""
     interval = cfg.checkpoint.save_interval
@@ -127,9 +131,11 @@ class RunSession:
 
     # -- checkpoints
 
-    def save_checkpoint(self, step: int, source_state: dict[str, Any]) -> str:
-        """Save the run after ``step`` steps (see ``Checkpointer.save``); returns the folder."""
-        return self.checkpoints.save(step, self.training.trainer, source_state)
+    def save_checkpoint(self, step: int, source_state: dict[str, Any] | None) -> str:
+        """Save the run after ``step`` steps (see ``Checkpointer.save``; a fully-async run keeps its
+        feed's cursors, ``source_state`` None); returns the folder."""
+        feed = self.training.feed_state() if self.cfg.mode == "fully_async" else None
+        return self.checkpoints.save(step, self.training.trainer, source_state, feed)
 
     def resume(self) -> int | None:
         """Put the run back to its newest complete checkpoint (``Checkpointer.restore``); returns its
@@ -137,10 +143,12 @@ class RunSession:
         rollout. A rollout side already built takes the checkpoint's prompt cursor and weights
         (else it reads them when built)."""
         restored = self.checkpoints.restore(self.training.trainer, self.history)
+        if self.cfg.mode == "fully_async":  # the streams' cursors go back with the trainer
+            self.training.restore_feed((restored[1] if restored else {}).get("feed") or FRESH_FEED)
         if restored is None:
             return None
         step, state = restored
-        if is_built(self.rollouts, "source"):
+        if is_built(self.rollouts, "source") and state["data_source"] is not None:
             self.rollouts.source.load_state(state["data_source"])
         if is_built(self.rollouts, "engine"):
             version = state["version"]

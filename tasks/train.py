@@ -65,8 +65,9 @@ def evaluate_version(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> 
 
 
 @task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
-def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: RolloutRef) -> str:
-    return get_session(cfg, refs).save_checkpoint(step, rollout_ref.source_state)
+def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: RolloutRef | None) -> str:
+    """Save the run after ``step`` steps (``rollout_ref``: that step's rollout; None in a fully-async run)."""
+    return get_session(cfg, refs).save_checkpoint(step, rollout_ref.source_state if rollout_ref else None)
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{step}")

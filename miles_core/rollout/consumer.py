@@ -9,7 +9,8 @@ if the producer died. ``commit()`` (after the train step) marks the batch's grou
 background thread reads and decodes new segments while the trainer trains. The
 durable cursor moves only past segments whose every group was used (trained or rejected), so a
 restarted trainer sees again what it had not finished with; the producer's back-pressure counts
-from the same cursor.
+from the same cursor. ``state()`` is what a checkpoint keeps (each cursor, and the groups already
+used after it); a feed built with ``done`` (a resumed run's) reads past those groups.
 
 Several consumers, one stream (multi-LoRA): each adapter's trainer has a feed with its own reader
 name (its own cursor) and a ``view`` applied to every group it reads. A view returns the group as
@@ -113,6 +114,7 @@ class GroupFeed:
         view: GroupView | None = None,
         streams: Callable[[], list[tuple[SampleStream, int | None]]] | None = None,
         recycle: Callable[[list[Group]], None] | None = None,
+        done: set[int] | None = None,
     ) -> None:
         self.stream = stream
         self.reader_name = reader
@@ -129,7 +131,11 @@ class GroupFeed:
         self.producer_check = producer_check
         self.poll_s = poll_s
         self.warn = warn
+        self.done = set(done or ())
+        """Group indices settled before this feed began (a resumed run: trained before its checkpoint,
+        or rejected and recycled since): read past, not trained again (``totals["done_before"]``)."""
         self._unused: dict[tuple[str, int], int] = {}  # (stream, segment offset) -> groups of it not yet taken
+        self._groups_of: dict[tuple[str, int], list[int]] = {}  # the same segments: every group of it read
         self._segment_of: dict[int, tuple[str, int]] = {}  # group index -> (stream, segment offset)
         self._recycle_fn = recycle
         """Where rejected groups go with ``unused_samples_handler = "retry"`` (a fleet: its prompt
@@ -143,7 +149,10 @@ class GroupFeed:
         if read_ahead:
             self._decoded = queue.Queue()
             threading.Thread(target=self._read_ahead, name=f"feed-{reader}", daemon=True).start()
-        self.totals = {"stale": 0, "aborted": 0, "dropped": 0, "recycled": 0, "not_mine": 0}
+        self.totals = {"stale": 0, "aborted": 0, "dropped": 0, "recycled": 0, "not_mine": 0, "done_before": 0}
+        self.rejections: list[list] = []
+        """Rejected groups the ledger has not recorded yet (``ledger.rejection`` rows); the trainer
+        takes them into its next step's entry, a checkpoint keeps them."""
 
     def next_batch(self, n: int, trainer_version: int, stop: Callable[[], bool] = lambda: False) -> FeedBatch:
         """``n`` trainable groups (fewer only if ``stop()`` turns true while waiting)."""
@@ -189,6 +198,22 @@ class GroupFeed:
     def close(self) -> None:
         """Stop the read-ahead thread (if any)."""
         self._closed = True
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        """What a checkpoint keeps of this feed, per stream: the durable cursor, and the groups
+        already used (trained or rejected) in the segments after it. Call it after ``commit``."""
+        out = {name: {"cursor": reader.cursor, "used": []} for name, reader in self.readers.items()}
+        pending = set(self._segment_of)  # read and not used yet: in the buffer, or handed out
+        for (name, _), groups in self._groups_of.items():
+            out[name]["used"] += [g for g in groups if g not in pending]
+        for entry in out.values():
+            entry["used"].sort()
+        return out
+
+    def take_rejections(self) -> list[list]:
+        """The rejections not yet in the ledger (for the step entry being written)."""
+        taken, self.rejections = self.rejections, []
+        return taken
 
     def _backoff(self, empty_polls: int) -> float:
         """How long to wait before looking again: ``poll_s``, doubling while nothing comes, up to
@@ -236,6 +261,11 @@ class GroupFeed:
                     raise item
                 decoded.append(item)
         for key, groups, not_mine in decoded:
+            self._groups_of[key] = [g.group_index for g in groups]
+            if self.done:
+                kept = [g for g in groups if g.group_index not in self.done]
+                self.totals["done_before"] += len(groups) - len(kept)
+                groups = kept
             self._unused[key] = len(groups)
             for g in groups:
                 self._segment_of[g.group_index] = key
@@ -277,8 +307,12 @@ class GroupFeed:
         """Recycle or drop rejected groups now (so the producer's back-pressure sees them used)."""
         if not rejected:
             return
+        from miles_core.ledger import rejection
+
         for r in rejected:
             self.totals[r.reason] += 1
+        retried = self._recycle_fn is not None or self._recycle is not None
+        self.rejections += [rejection(r, "recycled" if retried else "dropped") for r in rejected]
         if self._recycle_fn is not None:
             self._recycle_fn([r.group for r in rejected])
             self.totals["recycled"] += len(rejected)
@@ -301,14 +335,18 @@ class GroupFeed:
             while self._unused.get((name, done + 1)) == 0:
                 done += 1
                 del self._unused[(name, done)]
-            if done > reader.cursor:
-                moves.append((reader, done))
+                self._groups_of.pop((name, done), None)
+            # groups used in segments not yet whole: the producer's back-pressure must not wait on them
+            used_after = sum(len(read) - self._unused[key] for key, read in self._groups_of.items()
+                             if key[0] == name and key in self._unused)
+            if done > reader.cursor or used_after != reader.used_after:
+                moves.append((reader, done, used_after))
         if len(moves) > 1:  # a fleet: each stream's cursor is its own object; write them at once
             from miles_core.storage.fs import io_pool
 
-            list(io_pool().map(lambda move: move[0].commit(move[1]), moves))
+            list(io_pool().map(lambda move: move[0].commit(move[1], move[2]), moves))
         elif moves:
-            moves[0][0].commit(moves[0][1])
+            moves[0][0].commit(moves[0][1], moves[0][2])
 
     def _metrics(self, groups: list[Group], rejected: list[Rejected], version: int) -> dict[str, Any]:
         lags = [group_lag(g, version) for g in groups]

@@ -50,8 +50,12 @@ class GroupFilters:
 
     def keep(self, group: Group) -> bool:
         """True when every filter keeps the group; a drop is counted against the first that said no."""
+        return self.rejected_by(group) is None
+
+    def rejected_by(self, group: Group) -> str | None:
+        """The first filter that drops the group (counted), or None when every filter keeps it."""
         for name, fn in self.filters:
             if not fn(group):
                 self.dropped[name] += 1
-                return False
-        return True
+                return name
+        return None

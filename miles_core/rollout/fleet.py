@@ -59,6 +59,8 @@ FLEET = "fleet"
 GROUP_STRIDE = 1 << 16
 """Group indices of claim ``seq`` are ``seq * GROUP_STRIDE + i``; a claim holds fewer prompts."""
 _ENTRY = "{:09d}.json"
+RECYCLED = "rejected by the trainer (retry)"
+"""The reason of a release of groups the trainer rejected (``unused_samples_handler = "retry"``)."""
 
 
 def stream_name(producer: str) -> str:
@@ -145,6 +147,11 @@ class Claim:
     pending: list[int]
     """Released rows not yet claimed again, after this entry."""
     reason: str = ""
+    groups: list[int] = field(default_factory=list)
+    """A ``release`` or ``filtered`` entry: the group index of each row (the claim it came from)."""
+    fenced: bool = False
+    """A ``release`` of a producer declared dead: what it claimed and never wrote (its own later
+    releases give back nothing more)."""
 
     @property
     def group_base(self) -> int:
@@ -155,12 +162,14 @@ class Claim:
 
     def to_json(self) -> dict[str, Any]:
         return {"seq": self.seq, "kind": self.kind, "producer": self.producer, "rows": self.rows,
-                "cursor": self.cursor, "pending": self.pending, "reason": self.reason, "at": time.time()}
+                "cursor": self.cursor, "pending": self.pending, "reason": self.reason, "groups": self.groups,
+                "fenced": self.fenced, "at": time.time()}
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> Claim:
         return cls(obj["seq"], obj["kind"], obj["producer"], list(obj["rows"]), obj["cursor"],
-                   list(obj["pending"]), obj.get("reason", ""))
+                   list(obj["pending"]), obj.get("reason", ""), list(obj.get("groups", [])),
+                   bool(obj.get("fenced", False)))
 
 
 Draw = Callable[[Any, int], tuple[list[int], Any]]
@@ -212,23 +221,71 @@ class PromptLog:
 
         return self._append(entry)
 
-    def release(self, rows: Iterable[int], reason: str, producer: str | None = None) -> Claim | None:
-        """Put ``rows`` back in the pool (claimed again before any new prompt); None if no rows."""
-        rows = [int(r) for r in rows]
+    def release(self, rows: Iterable[int], reason: str, producer: str | None = None,
+                groups: Iterable[int] | None = None) -> Claim | None:
+        """Put ``rows`` back in the pool (claimed again before any new prompt); None if no rows.
+        ``groups``: the group index each row had (what the audit follows; see ``ledger.py``)."""
+        rows, groups = [int(r) for r in rows], [int(g) for g in groups or []]
+        if groups and len(groups) != len(rows):
+            raise ValueError(f"release: {len(rows)} rows but {len(groups)} group indices")
         if not rows:
             return None
+        return self._append(lambda last: self._release_entry(last, rows, groups, reason, producer))
 
-        def entry(last: Claim | None) -> Claim:
-            cursor = last.cursor if last is not None else self.start_cursor
-            pending = (list(last.pending) if last is not None else []) + rows
-            seq = last.seq + 1 if last is not None else 0
-            return Claim(seq, "release", producer, rows, cursor, pending, reason)
+    def release_own(self, groups: dict[int, int], reason: str, producer: str) -> Claim | None:
+        """A producer gives back prompts it claimed (group index -> row): nothing if the trainer
+        already declared it dead (that release gave back everything it had not written)."""
+
+        def entry(last: Claim | None) -> Claim | None:
+            if any(c.fenced and c.producer == producer for c in self._entries):
+                return None
+            return self._release_entry(last, list(groups.values()), list(groups), reason, producer)
+
+        return self._append(entry) if groups else None
+
+    def release_unwritten(self, producer: str, settled: set[int], reason: str) -> Claim | None:
+        """The trainer declared ``producer`` dead: give back every prompt it claimed whose group is
+        not in ``settled`` (written up to its fence) and that it did not give back itself (computed
+        against the whole log before the entry, so a release of its own racing this one is seen)."""
+
+        def entry(last: Claim | None) -> Claim | None:
+            if any(c.fenced and c.producer == producer for c in self._entries):
+                return None
+            done = set(settled)
+            for c in self._entries:
+                if c.producer == producer and c.kind in ("release", "filtered"):
+                    done.update(c.groups)
+            groups = {c.group_index(i): row for c in self._entries if c.kind == "claim" and c.producer == producer
+                      for i, row in enumerate(c.rows) if c.group_index(i) not in done}
+            release = self._release_entry(last, list(groups.values()), list(groups), reason, producer)
+            release.fenced = True
+            return release
 
         return self._append(entry)
 
-    def _append(self, make: Callable[[Claim | None], Claim]) -> Claim:
+    def filtered(self, producer: str, group: int, row: int, reason: str) -> Claim:
+        """A group a producer's dynamic filter dropped: settled, not back in the pool (the audit
+        counts it as rejected by that filter)."""
+
+        def entry(last: Claim | None) -> Claim:
+            seq = last.seq + 1 if last is not None else 0
+            cursor = last.cursor if last is not None else self.start_cursor
+            return Claim(seq, "filtered", producer, [row], cursor, list(last.pending) if last else [], reason, [group])
+
+        return self._append(entry)
+
+    def _release_entry(self, last: Claim | None, rows: list[int], groups: list[int], reason: str,
+                       producer: str | None) -> Claim:
+        cursor = last.cursor if last is not None else self.start_cursor
+        pending = (list(last.pending) if last is not None else []) + rows
+        seq = last.seq + 1 if last is not None else 0
+        return Claim(seq, "release", producer, rows, cursor, pending, reason, groups)
+
+    def _append(self, make: Callable[[Claim | None], Claim | None]) -> Claim | None:
         while True:
             new = make(self.last())
+            if new is None:
+                return None
             try:
                 self.files.create(f"claims/{_ENTRY.format(new.seq)}", new.to_json())
             except FileExistsError:
@@ -482,11 +539,9 @@ class FleetMonitor:
         w.dead = why
         self.control.fence(w.producer, last_offset, why)
         self.fences[w.producer] = last_offset
-        written = self.written(w.producer, last_offset)
-        unwritten = [c.rows[i] for c in self.log.claims_of(w.producer)
-                     for i in range(len(c.rows)) if c.group_index(i) not in written]
-        self.log.release(unwritten, reason=f"producer {w.producer} died", producer=w.producer)
-        w.released = len(unwritten)
+        released = self.log.release_unwritten(w.producer, self.written(w.producer, last_offset),
+                                              reason=f"producer {w.producer} died")
+        w.released = len(released.rows) if released is not None else 0
 
     def describe(self, w: _Watched) -> str:
         """A dead producer, its reason and its last error with traceback (if it wrote one)."""

@@ -318,11 +318,13 @@ class RolloutProducer:
         self._unfinished: list[Group] = []  # groups cut short by stop
         self._oldest_finished_at: float | None = None
         self._segment_groups: dict[int, int] = {}  # offset -> groups in it (for back-pressure)
+        self._used_after = 0  # groups the consumer used in those segments, as it last said
         self._next_group = 0
         self._error: BaseException | None = None
         self._seen_weights_at = 0.0
         self._writer: StreamWriter | None = None
-        self.abandoned_prompts: list[int] = []
+        self.abandoned_groups: dict[int, int] = {}
+        """Group index -> prompt row of each group abandoned on stop (without ``partial_rollout``)."""
         """Prompt indices of the groups cut short by stop and not saved as partial (their rows go
         back to a fleet's prompt pool)."""
 
@@ -549,8 +551,12 @@ class RolloutProducer:
             self.stats.samples_failed += sum(s.status is SampleStatus.FAILED for s in group.samples)
             await self.reward([group])
             self.stats.groups_finished += 1
-            if not self.filters.keep(group):
+            dropped_by = self.filters.rejected_by(group)
+            if dropped_by is not None:
                 self.stats.groups_filtered = dict(self.filters.dropped)
+                settle = getattr(self.prompts, "filtered", None)  # a fleet's prompt log records it
+                if settle is not None:
+                    await asyncio.to_thread(settle, group, dropped_by)
                 return
             if not self._finished:
                 self._oldest_finished_at = time.monotonic()
@@ -578,13 +584,14 @@ class RolloutProducer:
         await asyncio.to_thread(self._save_state, "running")
 
     def _outstanding(self) -> int:
-        """Groups ahead of the consumer: in flight, finished but unwritten, written but unconsumed."""
-        return len(self._works) + len(self._finished) + sum(self._segment_groups.values())
+        """Groups ahead of the consumer: in flight, finished but unwritten, written but unconsumed
+        (the consumer's groups used in segments it has not finished with do not count)."""
+        return len(self._works) + len(self._finished) + sum(self._segment_groups.values()) - self._used_after
 
     async def _wait_for_consumer(self) -> bool:
         """Back-pressure: wait until the consumer's cursor frees room; False if it did not (yet)."""
         t0 = time.monotonic()
-        cursor = await asyncio.to_thread(self._consumer_cursor)
+        cursor, self._used_after = await asyncio.to_thread(self._consumer_progress)
         for offset in [o for o in self._segment_groups if o <= cursor]:
             del self._segment_groups[offset]
         if self._outstanding() < self.share:
@@ -596,9 +603,13 @@ class RolloutProducer:
 
     def _consumer_cursor(self) -> int:
         """The durable cursor back-pressure counts from (blocking: it reads storage)."""
+        return self._consumer_progress()[0]
+
+    def _consumer_progress(self) -> tuple[int, int]:
+        """The durable cursor, and the groups the consumer used after it (blocking: reads storage)."""
         if callable(self.consumer):
-            return int(self.consumer())
-        return self.stream.reader(self.consumer).cursor
+            return int(self.consumer()), 0
+        return self.stream.reader(self.consumer).progress()
 
     async def _poll_weights_and_recycled(self) -> None:
         now = time.monotonic()
@@ -751,7 +762,7 @@ class RolloutProducer:
             self.stats.groups_saved_partial += len(self._unfinished)
         else:
             self.stats.groups_abandoned += len(self._unfinished)
-            self.abandoned_prompts = [g.samples[0].prompt_index for g in self._unfinished]
+            self.abandoned_groups = {g.group_index: g.samples[0].prompt_index for g in self._unfinished}
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_core.rollout.fleet import ControlPlane, FleetMonitor, ProducerFailed, PromptLog, stream_name
+from miles_core.rollout.fleet import RECYCLED, ControlPlane, FleetMonitor, ProducerFailed, PromptLog, stream_name
 from miles_core.types import Group
 
 if TYPE_CHECKING:
@@ -74,12 +74,38 @@ class Fleet:
 
     def start(self) -> None:
         self.control.clear_stop()
-        known = [int(p[1:]) for p in self.control.heartbeats() if p[:1] == "p" and p[1:].isdigit()]
+        for holder in self.control.pause_holders():  # left by a run killed while it evaluated
+            self.control.unpause(holder)
+        earlier = self.control.heartbeats()
+        self._settle_earlier(earlier)
+        known = [int(p[1:]) for p in earlier if p[:1] == "p" and p[1:].isdigit()]
         self._next = max(known, default=-1) + 1  # a run started again never reuses a producer's stream
         for _ in range(self.cfg.async_rollout.rollout_producers):
             self._launch()
         self._watching.set()
         threading.Thread(target=self._watch, name="fleet-monitor", daemon=True).start()
+
+    def _settle_earlier(self, earlier: dict) -> None:
+        """The producers of an earlier start of this run (stopped, or killed with it): fence each
+        at what its stream holds (the trainer reads it up to there, from its cursor on) and give
+        back every prompt it claimed and did not write (in flight, queued, or saved as partial)."""
+        returned = 0
+        for producer in sorted(earlier):
+            fence = self.control.fence_of(producer)
+            if fence is None:
+                fence = self._last_offset(producer)
+                self.control.fence(producer, fence, "a producer of an earlier start of the run")
+            released = self.log.release_unwritten(producer, self._written(producer, fence),
+                                                  reason=f"producer {producer} of an earlier start of the run")
+            returned += len(released.rows) if released is not None else 0
+            with self._lock:
+                self.monitor.watch(producer)
+                self.monitor.watched[producer].dead = "a producer of an earlier start of the run"
+                self.monitor.fences[producer] = fence
+        if earlier:
+            self.warn(f"run {self.refs.run_id} was started before: the trainer reads what its producers "
+                      f"{sorted(earlier)} wrote and not yet trained; {returned} prompts they claimed and never "
+                      "wrote went back to the pool")
 
     def _launch(self) -> str:
         producer = f"p{self._next}"
@@ -179,7 +205,8 @@ class Fleet:
         return [(self.stream(p), fence) for p, fence in found]
 
     def recycle(self, groups: list[Group]) -> None:
-        self.log.release([g.samples[0].prompt_index for g in groups], reason="rejected by the trainer (retry)")
+        self.log.release([g.samples[0].prompt_index for g in groups], reason=RECYCLED,
+                         groups=[g.group_index for g in groups])
 
     def _last_offset(self, producer: str) -> int:
         offsets = self.stream(producer).offsets()

@@ -35,6 +35,7 @@ from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, Produce
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
+    from miles_core.types import Group
     from miles_core.rollout.generate import PromptItem
     from miles_core.rollout.producer import RolloutProducer
     from miles_core.session.refs import RunRefs
@@ -63,9 +64,13 @@ class ClaimedPrompts:
     def push_back(self, prompt_indices: list[int]) -> None:
         self.log.release(prompt_indices, reason="pushed back", producer=self.producer)
 
-    def unstarted(self) -> list[int]:
-        """Rows claimed and not started yet."""
-        return [item.prompt_index for item, _ in self._queue]
+    def unstarted(self) -> dict[int, int]:
+        """Group index -> row of the prompts claimed and not started yet."""
+        return {group: item.prompt_index for item, group in self._queue}
+
+    def filtered(self, group: Group, reason: str) -> None:
+        """A dynamic filter dropped ``group``: the prompt log records it as settled."""
+        self.log.filtered(self.producer, group.group_index, group.samples[0].prompt_index, reason)
 
     def state(self) -> dict[str, Any]:
         return {"claims": self.claims, "queued": len(self._queue)}
@@ -159,8 +164,8 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
 
         def stopped(stats, why: str) -> dict[str, Any]:
             """Give back what was claimed and never started, say ``stopped``."""
-            released = prompt_log.release(prompts.unstarted() + producer.abandoned_prompts,
-                                          reason=f"producer {producer_id} {why}", producer=producer_id)
+            released = prompt_log.release_own({**prompts.unstarted(), **producer.abandoned_groups},
+                                              reason=f"producer {producer_id} {why}", producer=producer_id)
             link.beat(status="stopped", stats=asdict(stats), outstanding=0, in_engine=0)
             log(f"producer {producer_id}: {why} after {stats.groups_written} groups in {stats.segments_written} "
                 f"segments; {len(released.rows) if released else 0} claimed prompts given back")

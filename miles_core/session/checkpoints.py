@@ -1,12 +1,14 @@
 """Saving a run and putting it back: ``checkpoints/step-<k>/`` holds the trainer's state and then
-``state.json`` (step, weight version, the prompt cursor of that step's rollout), which makes the
-checkpoint complete; ``checkpoint.keep_checkpoints`` of them are kept."""
+``state.json`` (step, weight version, the prompt cursor of that step's rollout; a fully-async
+run: the feed's cursors instead, see ``TrainerSide.feed_state``), which makes the checkpoint
+complete; ``checkpoint.keep_checkpoints`` of them are kept."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
 
+from miles_core import ledger
 from miles_core.config import RunConfig
 from miles_core.session.history import RunHistory
 from miles_core.session.parts import SOURCE_STATE, RunFiles
@@ -25,13 +27,18 @@ class Checkpointer:
         self.skipped: list[str] = []
         """The checkpoints the last ``restore`` could not load, each with why."""
 
-    def save(self, step: int, trainer: Trainer, source_state: dict[str, Any]) -> str:
-        """Save the run after ``step`` steps, then prune; returns the checkpoint's folder."""
+    def save(self, step: int, trainer: Trainer, source_state: dict[str, Any] | None,
+             feed_state: dict[str, Any] | None = None) -> str:
+        """Save the run after ``step`` steps, then prune; returns the checkpoint's folder.
+        ``source_state``: the prompt cursor (None in a fully-async run, whose prompt log is its
+        cursor); ``feed_state``: a fully-async run's feed."""
         from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
 
         layout = self.files.layout
         trainer.save(layout.checkpoint(step, TRAINER_STATE))
         state = {"step": step, "version": trainer.version, "data_source": source_state}
+        if feed_state is not None:
+            state["feed"] = feed_state
         layout.write_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}", state)
         layout.prune_checkpoints(self.cfg.checkpoint.keep_checkpoints)
         return layout.checkpoint(step)
@@ -45,7 +52,7 @@ class Checkpointer:
           may be newer), and is written back there so a rebuilt rollout side agrees;
         - the weight store rolls back to v (``WeightStore.rollback``: LATEST back to v, newer
           versions deleted, since the redone steps publish them again);
-        - ``metrics.jsonl`` and ``eval.jsonl`` keep their rows of steps <= k;
+        - ``metrics.jsonl``, ``eval.jsonl`` and the prompt ledger keep their rows of steps <= k;
         - sample segments written by the redone steps stay in the stream as history (the redone
           steps append new ones after them; the trainer reads each step's segment by offset), and
           a stream closed by a finished run is reopened (its ``_END`` removed).
@@ -64,6 +71,7 @@ class Checkpointer:
                     "no checkpoint to resume from; use a new run id, and set checkpoint.save_interval "
                     "(--save-interval N) to make a run resumable"
                 )
+            ledger.rewind(layout, 0)  # a step that was killed before its metrics row
             return None
         if steps[-1] > self.cfg.rollout.num_rollout:
             raise ValueError(
@@ -80,8 +88,10 @@ class Checkpointer:
                             layout.checkpoint(step), type(e).__name__, e)
                 continue
             self.files.weights.rollback(state["version"])
-            layout.write_json(SOURCE_STATE, state["data_source"])
+            if state["data_source"] is not None:
+                layout.write_json(SOURCE_STATE, state["data_source"])
             history.rewind(step)
+            ledger.rewind(layout, step)
             self._reopen_stream()
             self.skipped = unusable
             return step, state

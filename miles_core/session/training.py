@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from miles_core.config import RunConfig
+from miles_core.ledger import write_step
 from miles_core.rewards import MAX_ERRORS_KEPT, reward_errors
 from miles_core.rollout.generate import rollout_metrics
 from miles_core.session.parts import RunFiles, built_once, is_built, weights_uri
@@ -48,6 +49,10 @@ class TrainerSide:
         """Fully async: the run's rollout fleet, whose streams the feed reads (``use_fleet``)."""
         self.skipped_in_a_row: list[str] = []
         """The latest steps that changed nothing, and why (``train.max_skipped_steps`` fail the run)."""
+        self.done_before: set[int] = set()
+        """Fully async, resumed: groups settled before the checkpoint (``restore_feed``)."""
+        self.rejections_before: list[list] = []
+        """Fully async, resumed: rejections the checkpoint had not written to the ledger yet."""
 
     @built_once
     def trainer(self):
@@ -73,6 +78,7 @@ class TrainerSide:
         t0 = time.perf_counter()
         groups = regroup(self.files.stream.read_segment(rollout.offset).samples())
         ref = self.train_groups(rollout.step, groups)
+        write_step(self.files.layout, rollout.step + 1, ref.version, groups, segment=rollout.offset)
         self.files.stream.reader(self.reader).commit(rollout.offset)
         ref.metrics["train_seconds"] = time.perf_counter() - t0
         return ref
@@ -138,7 +144,9 @@ class TrainerSide:
             if self.fleet is not None:
                 kwargs.update(streams=self.fleet.streams, recycle=self.fleet.recycle)
             self.__dict__["_feed"] = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
-                                               read_ahead=a.read_ahead, producer_check=self.producer_check, **kwargs)
+                                               read_ahead=a.read_ahead, producer_check=self.producer_check,
+                                               done=self.done_before, **kwargs)
+            self.__dict__["_feed"].rejections = list(self.rejections_before)
         return self.__dict__["_feed"]
 
     def train_from_stream(self, step: int, warn=None) -> TrainRef:
@@ -150,9 +158,10 @@ class TrainerSide:
         batch = feed.next_batch(n, self.trainer.version, stop=stop_requested)
         if len(batch.groups) < n:  # asked to stop while waiting: the groups stay unread for a resumed run
             raise RunStopped(f"run {self.refs.run_id} stopped at step {step + 1} while waiting for rollout data, "
-                             f"as asked; no checkpoint (fully_async runs cannot be checkpointed yet)", self.refs.run_id)
+                             f"as asked; the groups it read stay for a resumed run", self.refs.run_id)
         drained = time.perf_counter() - t0
         ref = self.train_groups(step, batch.groups)
+        write_step(self.files.layout, step + 1, ref.version, batch.groups, feed.take_rejections())
         feed.commit()
         metrics = ref.metrics
         metrics.update(rollout_metrics(batch.groups))
@@ -164,6 +173,37 @@ class TrainerSide:
         metrics["reward_failed"] = float(len(errors))
         ref.reward_errors = errors[:MAX_ERRORS_KEPT]
         return ref
+
+    def feed_state(self) -> dict[str, Any]:
+        """What a fully-async checkpoint keeps of the feed (after the step's ``commit``): every
+        stream's cursor, the groups used after it, and the prompt log's last entry then."""
+        last = self.fleet.log.last() if self.fleet is not None else None
+        feed = self.feed()
+        return {"streams": feed.state(), "log_seq": last.seq if last is not None else -1,
+                "rejections": list(feed.rejections)}
+
+    def restore_feed(self, state: dict[str, Any]) -> None:
+        """Fully async: put every stream's trainer cursor back to ``state`` (a checkpoint's
+        ``feed_state``; a stream begun after it goes back to its start), and remember which groups
+        after the cursors were settled then, or recycled since (their prompts are back in the pool
+        already), so the feed trains each remaining group once. ``{"streams": {}, "log_seq": -1}``:
+        a run that never finished a step, from the start."""
+        from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
+
+        opts, retry = self.cfg.storage.storage_options, self.files.layout.retry
+        streams = state["streams"]
+        for producer in ControlPlane(self.refs.run_dir, opts, retry=retry).heartbeats():
+            name = stream_name(producer)
+            cursor = int(streams.get(name, {}).get("cursor", -1))
+            reader = self.files.stream.sibling(name).reader(self.reader)
+            if reader.cursor != cursor:
+                reader.commit(cursor)
+        done = {int(g) for entry in streams.values() for g in entry["used"]}
+        for c in PromptLog(self.refs.run_dir, opts, retry=retry).entries():
+            if c.seq > state["log_seq"] and c.kind == "release" and c.reason == RECYCLED:
+                done.update(c.groups)
+        self.done_before = done
+        self.rejections_before = list(state.get("rejections", []))
 
     def close_feed(self) -> None:
         """Stop reading (a multi-LoRA adapter that finished: it no longer holds the producer back)."""

@@ -342,6 +342,8 @@ class StreamReader:
         self.stream = stream
         self.name = check_name("reader", name)
         self._cursor_path = join(stream.run_dir, cursor_file(stream.producer, name))
+        self.used_after = 0
+        """Groups used in the segments after the cursor (see ``commit``), as last read or written."""
         self._cursor = self._load_cursor()
         self.position = self._cursor
 
@@ -361,14 +363,17 @@ class StreamReader:
             self.position = segments[-1].offset
         return segments
 
-    def commit(self, offset: int) -> None:
+    def commit(self, offset: int, used_after: int = 0) -> None:
         """Persist ``offset`` as this reader's cursor (atomically). Committing a lower offset
-        rewinds the durable cursor, not ``position``."""
+        rewinds the durable cursor, not ``position``. ``used_after``: groups this reader has used
+        in the segments after ``offset`` (they are not whole yet), which a producer's back-pressure
+        does not count as waiting."""
         if not isinstance(offset, int) or offset < -1:
             raise ValueError(f"reader {self.name!r}: cursor offset must be an int >= -1, got {offset!r}")
-        data = json.dumps({"reader": self.name, "producer": self.stream.producer, "offset": offset}).encode()
+        data = json.dumps({"reader": self.name, "producer": self.stream.producer, "offset": offset,
+                           "used_after": int(used_after)}).encode()
         self.stream._call(lambda: atomic_write(self.stream.fs, self._cursor_path, data), self._cursor_path)
-        self._cursor = offset
+        self._cursor, self.used_after = offset, int(used_after)
         self.position = max(self.position, offset)
 
     @property
@@ -391,7 +396,14 @@ class StreamReader:
         data = self.stream._call(lambda: read_bytes(self.stream.fs, self._cursor_path), self._cursor_path)
         if data is None:
             return -1
-        return _parse_json_field(data, "offset", self.cursor_uri)
+        offset = _parse_json_field(data, "offset", self.cursor_uri)
+        self.used_after = int(json.loads(data).get("used_after", 0))
+        return offset
+
+    def progress(self) -> tuple[int, int]:
+        """(cursor, used_after) as the consumer last committed them (reads storage)."""
+        self._cursor = self._load_cursor()
+        return self._cursor, self.used_after
 
     def __repr__(self) -> str:
         return f"StreamReader({self.name!r}, stream={self.stream.uri!r}, cursor={self._cursor})"

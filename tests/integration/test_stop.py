@@ -116,14 +116,15 @@ def test_ctrl_c_stops_a_sync_run_after_its_step_with_a_checkpoint_and_says_how_t
     assert steps == list(range(1, done + 3))
 
 
-def test_sigterm_stops_a_fully_async_run_and_its_producers(tiny_model_dir, tmp_path):
-    proc = _miles_train(tmp_path, tiny_model_dir, "--fully-async")
+def test_sigterm_stops_a_fully_async_run_and_its_producers_with_a_checkpoint(tiny_model_dir, tmp_path):
+    proc = _miles_train(tmp_path, tiny_model_dir, "--fully-async", "--save-interval", "100")
     session = _run_session(proc)
     wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
     code, err, seconds = _stop(proc, signal.SIGTERM, within=10)
     assert code == 143, err[-3000:]
     assert seconds < 10, f"stopped after {seconds:.1f} s"
-    assert "as asked; no checkpoint (fully_async runs cannot be checkpointed yet)" in err, err[-3000:]
+    done = _steps(tmp_path)
+    assert f"as asked; checkpoint at step {done}" in err and "resume it with: miles train " in err, err[-3000:]
     assert not _left_in(session), _left_in(session)  # producers, their engines, the Prefect server
     _no_partial_segments(tmp_path)
 

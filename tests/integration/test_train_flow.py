@@ -236,6 +236,11 @@ def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_d
     # the first step 4's segment stays as history: 4 + 3 segments, the trainer's cursor on the last
     assert len(list((first / "samples" / "rollout").glob("*.arrow"))) == 7
     assert json.loads((first / "cursors" / "rollout" / "trainer.json").read_text())["offset"] == 6
+    # the ledger: each step's groups trained once; the first step 4's segment counts as discarded
+    audit = summary["audit"]
+    assert audit["ok"] and audit["steps"] == 6 and audit["token_balance"] == 0, audit
+    assert audit["counts"]["trained"] == 6 * 4  # rollout_batch_size groups a step
+    assert audit["counts"]["discarded (a step redone after a resume)"] == 4
 
 
 def test_a_run_with_steps_but_no_checkpoint_is_not_restarted(prefect_backend, tiny_model_dir, tmp_path):

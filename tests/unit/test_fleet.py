@@ -281,3 +281,54 @@ def test_a_fenced_stream_is_read_up_to_its_fence_only(tmp_path):
     polls: list[int] = []
     more = feed.next_batch(1, 0, stop=lambda: polls.append(1) or len(polls) > 5)
     assert more.groups == [] and len(polls) > 5, "offset 1 is past the fence: never read"
+
+
+# ------------------------------------------------------------------------- resume: nothing twice
+
+
+def test_a_dead_producers_prompts_go_back_once_whoever_releases_first(run_dir):
+    """A producer that gave back part of its claim itself, then was declared dead: the trainer gives
+    back only the rest; a release of its own after that gives back nothing more."""
+    log = PromptLog(run_dir, draw=counter_draw(100))
+    claim = log.claim("p0", 4)  # rows 0..3, groups 0..3
+    log.filtered("p0", claim.group_index(0), 0, "nonzero_reward_std")  # settled, not back in the pool
+    log.release_own({claim.group_index(3): 3}, reason="producer p0 stopped", producer="p0")
+    fenced = log.release_unwritten("p0", settled={claim.group_index(1)}, reason="producer p0 died")
+    assert fenced.rows == [2] and fenced.groups == [claim.group_index(2)] and fenced.fenced
+    assert log.release_own({claim.group_index(2): 2}, reason="late", producer="p0") is None
+    assert log.release_unwritten("p0", settled=set(), reason="again") is None, "fenced once"
+    assert log.last().pending == [3, 2]
+    assert sorted(PromptLog(run_dir, draw=counter_draw(100)).claim("p1", 3).rows) == [2, 3, 4]
+
+
+def test_a_resumed_feed_trains_each_remaining_group_once(tmp_path):
+    """A checkpoint keeps each stream's cursor and the groups used after it; a feed built after a
+    crash (cursors put back, ``done`` from the checkpoint) trains exactly the groups the checkpoint
+    had not, including the ones the lost steps trained."""
+    run_dir = str(tmp_path / "run")
+    base = SampleStream(run_dir)
+    s0 = base.sibling(stream_name("p0"))
+    s0.append([_group(0), _group(1), _group(2)])
+    s0.append([_group(3), _group(4)])
+    cfg = AsyncConfig()
+
+    def feed(done=None):
+        return GroupFeed(base, DefaultDataBuffer(cfg, capacity=64, first_version=0), cfg,
+                         streams=lambda: [(s0, None)], done=done, poll_s=0.001)
+
+    first = feed()
+    assert [g.group_index for g in first.next_batch(2, 0).groups] == [0, 1]
+    first.commit()
+    state = first.state()  # the checkpoint: segment 0 is not wholly used, so the cursor stays before it
+    assert state == {"rollout-p0": {"cursor": -1, "used": [0, 1]}}
+    # the producer's back-pressure does not count the two used groups of the unfinished segment
+    assert SampleStream(run_dir).sibling(stream_name("p0")).reader("trainer").progress() == (-1, 2)
+    first.next_batch(2, 0)
+    first.commit()  # a step after the checkpoint, lost with the crash: its cursor moved past segment 0
+    assert s0.reader("trainer").cursor == 0
+    s0.reader("trainer").commit(state["rollout-p0"]["cursor"])  # what restore_feed does
+    resumed = feed(done=set(state["rollout-p0"]["used"]))
+    assert [g.group_index for g in resumed.next_batch(3, 0).groups] == [2, 3, 4]
+    assert resumed.totals["done_before"] == 2
+    resumed.commit()
+    assert s0.reader("trainer").cursor == 1
