@@ -28,8 +28,14 @@ Parts:
 - ``add_arguments(parser)`` / ``run(args)``: the ``miles server`` subcommand. Exit codes: 0 ok;
   1 an error; ``status`` of a server that is not (fully) running exits 3.
 
-Postgres listens on 127.0.0.1 only, with trust authentication: like Prefect's own local API (no
-auth either), this is for a single-user machine, not a shared one.
+The API binds to 127.0.0.1 unless ``--host`` says otherwise. Bound to any other address (workers on
+other machines need it), it refuses to start without an API auth string
+(``PREFECT_SERVER_API_AUTH_STRING``, or ``PREFECT_API_AUTH_STRING``, e.g. ``admin:long-random``),
+which the server then requires of every request but its health probe; clients and workers set
+``PREFECT_API_AUTH_STRING`` to the same string. The string is passed to the server in its
+environment only: never in ``server.json``, a command line or a log. Postgres listens on 127.0.0.1
+only, with trust authentication for local connections: the machine's other users can reach the
+database, so a shared machine wants its own database server.
 
 Only the standard library is imported here: ``miles --help`` stays fast, and the Prefect server
 runs in its own process.
@@ -116,7 +122,8 @@ class LocalServer:
         prefect_pid = prefect_pid if prefect_pid and _alive(prefect_pid, "prefect") else None
         postgres_pid = self._postgres_pid()
         api_url = state.get("api_url")
-        healthy = bool(prefect_pid and api_url and _healthy(api_url, timeout=2.0))
+        probe = state.get("local_api_url", api_url)
+        healthy = bool(prefect_pid and probe and _healthy(probe, timeout=2.0))
         return ServerStatus(
             running=bool(healthy and postgres_pid), home=str(self.home), data_dir=str(self.data_dir),
             api_url=api_url, ui_url=state.get("ui_url"), prefect_pid=prefect_pid, postgres_pid=postgres_pid,
@@ -133,10 +140,19 @@ class LocalServer:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
-    def start(self, port: int | None = None, db_port: int | None = None, timeout: float = 120.0) -> ServerStatus:
-        """Start whatever is not running yet; return the status once the API answers."""
+    def start(self, port: int | None = None, db_port: int | None = None, timeout: float = 120.0,
+              host: str = HOST) -> ServerStatus:
+        """Start whatever is not running yet; return the status once the API answers. ``host``:
+        the address the API binds to (not loopback: only with an API auth string)."""
+        auth = _auth_string()
+        if not _is_loopback(host) and not auth:
+            raise ServerError(
+                f"--host {host} would let anyone who can reach this machine drive the Prefect API (start "
+                "flow runs, read parameters): set PREFECT_SERVER_API_AUTH_STRING='user:long-random-password' "
+                "here, and PREFECT_API_AUTH_STRING to the same for every client and worker; or keep the "
+                f"default --host {HOST}")
         with self._exclusive():
-            return self._start(port, db_port, timeout)
+            return self._start(port, db_port, timeout, host, auth)
 
     def stop(self, timeout: float = 20.0) -> bool:
         """Stop Prefect, then postgres; keep the data. Returns whether anything was running."""
@@ -152,9 +168,13 @@ class LocalServer:
                 self._write_state(**{**self._read_state(), "prefect_pid": None})
             return bool(current.prefect_pid or current.postgres_pid)
 
-    def _start(self, port: int | None, db_port: int | None, timeout: float) -> ServerStatus:
+    def _start(self, port: int | None, db_port: int | None, timeout: float, host: str = HOST,
+               auth: str | None = None) -> ServerStatus:
         current = self.status()
         if current.running:
+            if self._read_state().get("host", HOST) != host:
+                raise ServerError(f"the server in {self.home} is already running on {self._read_state().get('host', HOST)}; "
+                                  f"`miles server stop` first to bind it to {host}")
             if port not in (None, current.port) or db_port not in (None, current.db_port):
                 raise ServerError(f"the server in {self.home} is already running on port {current.port} "
                                   f"(database {current.db_port}); `miles server stop` first to change ports")
@@ -186,14 +206,15 @@ class LocalServer:
             self._ensure_database(bin_dir, db_port)
             if current.prefect_pid:  # still starting (or wedged): give it the same time as a new one
                 self._wait_healthy(current.prefect_pid, port, timeout)
-            prefect_pid = current.prefect_pid or self._start_prefect(port, db_port, timeout)
+            prefect_pid = current.prefect_pid or self._start_prefect(port, db_port, timeout, host, auth)
         except BaseException:
             if started_postgres:
                 self._stop_postgres(bin_dir)
             raise
-        api_url = f"http://{HOST}:{port}/api"
-        self._write_state(port=port, db_port=db_port, api_url=api_url, ui_url=f"http://{HOST}:{port}",
-                          prefect_pid=prefect_pid, started_at=time.time())
+        public = _public_host(host)
+        self._write_state(port=port, db_port=db_port, host=host, api_url=f"http://{public}:{port}/api",
+                          local_api_url=f"http://{_probe_host(host)}:{port}/api", ui_url=f"http://{public}:{port}",
+                          auth=bool(auth), prefect_pid=prefect_pid, started_at=time.time())
         return self.status()
 
     # ---- postgres --------------------------------------------------------------------------
@@ -292,8 +313,11 @@ class LocalServer:
 
     # ---- prefect ---------------------------------------------------------------------------
 
-    def _start_prefect(self, port: int, db_port: int, timeout: float) -> int:
+    def _start_prefect(self, port: int, db_port: int, timeout: float, host: str = HOST,
+                       auth: str | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # never point it at a server
+        if auth:
+            env["PREFECT_SERVER_API_AUTH_STRING"] = auth
         env.update({
             "PREFECT_HOME": str(self.prefect_home),
             "PREFECT_SERVER_DATABASE_CONNECTION_URL":
@@ -303,24 +327,25 @@ class LocalServer:
             "PREFECT_SERVER_UI_ENABLED": "true",
             # the UI's pages call the API at this URL; left unset, they call the default port 4200
             # whatever port the server is on (found by the browser test)
-            "PREFECT_UI_API_URL": f"http://{HOST}:{port}/api",
+            "PREFECT_UI_API_URL": f"http://{_public_host(host)}:{port}/api",
         })
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
                "--ui", "--analytics-off"]
-        self.log(f"starting the Prefect server on {HOST}:{port} (log: {self.server_log})")
+        self.log(f"starting the Prefect server on {host}:{port}{' (API auth string required)' if auth else ''} "
+                 f"(log: {self.server_log})")
         with open(self.server_log, "ab") as out:
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     cwd=self.home, start_new_session=True)
         try:
-            self._wait_healthy(proc.pid, port, timeout)
+            self._wait_healthy(proc.pid, port, timeout, _probe_host(host))
         except BaseException:  # timed out, exited, or Ctrl-C: leave nothing half-started behind
             _stop_process_group(proc.pid, 10.0)
             raise
         return proc.pid
 
-    def _wait_healthy(self, pid: int, port: int, timeout: float) -> None:
+    def _wait_healthy(self, pid: int, port: int, timeout: float, host: str | None = None) -> None:
         """Wait until the API answers; stop the server and say why if it exits or times out."""
-        api_url = f"http://{HOST}:{port}/api"
+        api_url = f"http://{host or _probe_host(self._read_state().get('host', HOST))}:{port}/api"
         deadline = time.monotonic() + timeout
         while not _healthy(api_url, timeout=2.0):
             how = _exit_status(pid)
@@ -379,6 +404,31 @@ def _require_free_port(port: int, flag: str) -> None:
         except OSError as e:
             raise ServerError(f"port {port} on {HOST} is in use ({e.strerror}); choose another with {flag} N, "
                               "or stop what holds it") from None
+
+
+def _auth_string() -> str | None:
+    return os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or os.environ.get("PREFECT_API_AUTH_STRING") or None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to may be reachable from elsewhere
+
+
+def _probe_host(host: str) -> str:
+    """Where this machine reaches a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _public_host(host: str) -> str:
+    """Where other machines reach a server bound to ``host`` (a wildcard: this machine's name)."""
+    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
 
 
 def _healthy(api_url: str, timeout: float) -> bool:
@@ -463,6 +513,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"Prefect API/UI port (default: the last one used, else {DEFAULT_PORT})")
     start.add_argument("--db-port", type=int, help="postgres port (default: the last one used, else a free one)")
     start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the API (default: 120)")
+    start.add_argument("--host", default=HOST,
+                       help=f"address the API binds to (default: {HOST}); any other (e.g. 0.0.0.0, for workers on "
+                            "other machines) needs PREFECT_SERVER_API_AUTH_STRING set")
     actions.add_parser("stop", parents=[common], help="stop the Prefect server, then postgres; keeps the data")
     actions.add_parser("status", parents=[common], help=f"show the server; exits {EXIT_NOT_RUNNING} when not running")
 
@@ -471,8 +524,11 @@ def run(args: argparse.Namespace) -> int:
     server = LocalServer(args.home)
     try:
         if args.action == "start":
-            status = server.start(port=args.port, db_port=args.db_port, timeout=args.timeout)
+            status = server.start(port=args.port, db_port=args.db_port, timeout=args.timeout, host=args.host)
             print(status.describe(), file=sys.stderr)
+            if server._read_state().get("auth"):
+                print("clients and workers need PREFECT_API_AUTH_STRING set to the server's auth string",
+                      file=sys.stderr)
             print(f"export PREFECT_API_URL={status.api_url}")
             return 0
         if args.action == "stop":

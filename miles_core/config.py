@@ -24,12 +24,51 @@ This module imports without torch, transformers or prefect (a test checks it).
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PlainSerializer,
+    SerializationInfo,
+    field_validator,
+    model_validator,
+)
 
+
+
+SECRET_OPTION = re.compile(r"key|secret|token|passw|credential|auth|signature|session", re.IGNORECASE)
+"""Storage option names whose values are secrets (s3fs ``key``, ``secret``, ``token``;
+``aws_secret_access_key``, ``password``, ...): left out wherever a config is serialised as JSON."""
+WITH_SECRETS = {"with_secrets": True}
+"""``cfg.model_dump_json(context=WITH_SECRETS)``: the whole config, secrets too (for a child
+process's stdin, never for storage, Prefect parameters or logs)."""
+
+
+def without_secrets(options: Any) -> Any:
+    """``options`` without the entries whose names look secret (at any depth)."""
+    if isinstance(options, dict):
+        return {k: without_secrets(v) for k, v in options.items() if not SECRET_OPTION.search(str(k))}
+    if isinstance(options, list):
+        return [without_secrets(v) for v in options]
+    return options
+
+
+def _serialise_options(options: dict[str, Any], info: SerializationInfo) -> dict[str, Any]:
+    if info.mode_is_json() and not (info.context or {}).get("with_secrets"):
+        return without_secrets(options)
+    return options
+
+
+StorageOptions = Annotated[dict[str, Any], PlainSerializer(_serialise_options, when_used="always")]
+"""fsspec storage options: as JSON (Prefect flow-run parameters, deployment defaults, artifacts)
+their secret entries are left out; the run resolves them where it starts (the environment, or
+``storage.credentials_block``). In Python they are whole."""
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
@@ -110,8 +149,9 @@ class FileDataConfig(_Base):
     """Wrap the prompt as one user message and render it with the tokenizer's chat template."""
     prompt_template: str = "{prompt}"
     """Python format string applied to the prompt text before tokenizing (``{prompt}`` is the text)."""
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    """fsspec options for the dataset's filesystem (endpoint, anon, ...)."""
+    storage_options: StorageOptions = Field(default_factory=dict)
+    """fsspec options for the dataset's filesystem (endpoint, anon, ...); secret entries are left
+    out of its JSON form (see ``StorageOptions``)."""
 
 
 class ToyDataConfig(_Base):
@@ -288,6 +328,12 @@ class SGLangEngineConfig(_Base):
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for one HTTP request to the server (a ``generate`` call returns when its
     longest response is done)."""
+    health_warn_s: float = Field(default=30.0, gt=0)
+    """While requests wait on the server and it gives no sign of life (no reply, ``/health``
+    unanswered), a warning names the URL and what is pending every this many seconds."""
+    health_timeout_s: float = Field(default=120.0, gt=0)
+    """After this many seconds without a sign of life, the pending requests fail, naming the URL
+    and what was pending (a frozen or dead server, long before ``request_timeout_s``)."""
     coalesce_window_s: float = Field(default=0.005, ge=0)
     """Concurrent ``generate`` calls made within this many seconds travel as one ``/generate``
     batch (a fully-async producer makes one call per sample or group); 0: one request per call."""
@@ -727,8 +773,10 @@ class StorageConfig(_Base):
 
     root: str = "runs"
     """Root URL of runs: a local folder, ``file://...``, ``memory://...`` or ``s3://bucket/prefix``."""
-    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
-    """fsspec options of the root's filesystem. Never written into the run folder or logs."""
+    storage_options: StorageOptions = Field(default_factory=dict, repr=False)
+    """fsspec options of the root's filesystem. Never written into the run folder or logs; their
+    secret entries (keys, secrets, tokens, passwords) are left out of the config's JSON form, so
+    Prefect's database never holds them (see ``StorageOptions``)."""
     credentials_block: str | None = None
     """Name of a saved Prefect ``Secret`` block whose value is a JSON object of extra storage
     options (e.g. ``{"key": ..., "secret": ...}``), merged into ``storage_options`` when the run
@@ -1024,7 +1072,7 @@ class RunConfig(_Base):
         """The config as JSON-able data, without secrets (storage options are dropped)."""
         data = self.model_dump(mode="json")
         data["storage"].pop("storage_options", None)
-        for table in dataset_tables(data):
-            if table.get("storage_options"):
+        for table, given in zip(dataset_tables(data), dataset_tables(self.model_dump())):
+            if given.get("storage_options"):
                 table["storage_options"] = REDACTED
         return data

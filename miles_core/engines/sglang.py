@@ -40,8 +40,11 @@ disconnect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Coroutine
@@ -60,6 +63,7 @@ _CONTROL_TIMEOUT_S = 60.0
 """Timeout of the control endpoints (pause waits for the running batch on the CPU stand-in server,
 hence not a few seconds)."""
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class EngineHTTPError(RuntimeError):
@@ -111,6 +115,83 @@ class AiohttpTransport:
             await self._session.close()
 
 
+class HealthWatch:
+    """The health deadline of one server's requests (on the engine's I/O loop). While requests
+    wait, ``GET /health`` is probed every ``probe_s``; a reply, or any request answered, is a sign of
+    life. After ``warn_s`` without one, a warning names the URL and what is pending (and again
+    every ``warn_s``); after ``timeout_s``, every pending request fails with ``EngineUnreachable``
+    naming them, instead of waiting out the request timeout."""
+
+    def __init__(self, url: str, transport: Transport, warn_s: float, timeout_s: float,
+                 warn=log.warning, clock=time.monotonic) -> None:
+        self.url, self.transport = url, transport
+        self.warn_s, self.timeout_s = warn_s, timeout_s
+        self.probe_s = max(0.05, min(5.0, timeout_s / 4))
+        self.warn, self.clock = warn, clock
+        self._pending: dict[asyncio.Task, tuple[str, float]] = {}
+        self._life = clock()
+        self._failed: str | None = None
+        self._watcher: asyncio.Task | None = None
+
+    async def track(self, path: str, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` (a request to ``path``) under the deadline."""
+        task = asyncio.ensure_future(coro)
+        if not self._pending:
+            self._life = self.clock()  # silence counts from when something is awaited
+        self._pending[task] = (path, self.clock())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            if self._failed is not None and task.cancelled():
+                raise EngineUnreachable(self._failed) from None
+            raise
+        finally:
+            self._pending.pop(task, None)
+        self._life = self.clock()
+        return result
+
+    async def stop(self) -> None:
+        """Stop probing (the engine closes)."""
+        if self._watcher is not None and not self._watcher.done():
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+
+    def describe(self) -> str:
+        now = self.clock()
+        paths = sorted({p for p, _ in self._pending.values()})
+        oldest = max((now - t for _, t in self._pending.values()), default=0.0)
+        return f"{len(self._pending)} request(s) pending ({', '.join(paths)}; the oldest for {oldest:.0f} s)"
+
+    async def _watch(self) -> None:
+        warned_at = None
+        while self._pending:
+            await asyncio.sleep(self.probe_s)
+            if not self._pending:
+                return
+            try:
+                status, _ = await asyncio.wait_for(self.transport.request("GET", f"{self.url}/health", None,
+                                                                          self.probe_s), self.probe_s)
+                if status < 500:
+                    self._life, warned_at = self.clock(), None
+            except (EngineUnreachable, asyncio.TimeoutError, OSError):
+                pass
+            silent = self.clock() - self._life
+            if silent >= self.timeout_s:
+                self._failed = (f"{self.url}: the engine server gave no sign of life for {silent:.0f} s (no reply, "
+                                f"and /health unanswered; engine.health_timeout_s = {self.timeout_s:g}); "
+                                f"{self.describe()}")
+                for task in list(self._pending):
+                    task.cancel()
+                return
+            if silent >= self.warn_s and (warned_at is None or self.clock() - warned_at >= self.warn_s):
+                warned_at = self.clock()
+                self.warn(f"the engine server at {self.url} has not answered for {silent:.0f} s (/health "
+                          f"neither); {self.describe()}; failing at {self.timeout_s:g} s")
+
+
 class SGLangEngine:
     """A ``RolloutEngine`` that talks to an SGLang server (or router) at ``url``.
 
@@ -137,6 +218,8 @@ class SGLangEngine:
         self._closed = False
         self._queued: list[tuple[list[GenerateRequest], asyncio.Future]] = []
         """Calls waiting for the coalescing window to close (on the callers' loop)."""
+        self._watch = HealthWatch(self.url, self._transport, cfg.health_warn_s, cfg.health_timeout_s)
+        """The health deadline of requests to the server (used on ``self._io``'s loop only)."""
 
     # ------------------------------------------------------------------------------ protocol
 
@@ -235,6 +318,7 @@ class SGLangEngine:
         with self._io_lock:
             io, self._io = self._io, None
         if io is not None:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._watch.stop(), io.loop))
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._transport.close(), io.loop))
             await asyncio.to_thread(io.close)
         if self.server is not None:
@@ -257,7 +341,7 @@ class SGLangEngine:
         if self._closed:
             raise RuntimeError(f"SGLangEngine for {self.url} is closed")
         url = f"{self.url}{path}"
-        status, data = await self._on_io(self._transport.request("POST", url, body, timeout))
+        status, data = await self._on_io(self._watch.track(path, self._transport.request("POST", url, body, timeout)))
         if status >= 400:
             raise EngineHTTPError(url, status, error_message(data))
         try:

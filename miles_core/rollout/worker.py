@@ -226,7 +226,9 @@ class SubprocessLauncher:
         cores = self.cfg.async_rollout.producer_cpu_affinity
         if cores and hasattr(os, "sched_setaffinity"):  # before it has imported anything heavy
             os.sched_setaffinity(proc.pid, cores)
-        proc.stdin.write(self.cfg.model_dump_json())  # the whole config, storage credentials too: never on disk
+        from miles_core.config import WITH_SECRETS
+
+        proc.stdin.write(self.cfg.model_dump_json(context=WITH_SECRETS))  # storage credentials too: never on disk
         proc.stdin.close()
         self.procs[producer] = proc
         self.log(f"launched rollout producer {producer}: process {proc.pid}")

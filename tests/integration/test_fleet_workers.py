@@ -55,8 +55,11 @@ def pools(postgres_backend):
 
 
 def _worker(pool: str, api_url: str, limit: int):
+    """A worker of ``pool``; its machine's S3 credentials are in its environment (flow-run parameters
+    never carry them)."""
     return served(["-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", "--limit", str(limit)],
-                  api_url, tail=30, env={"MILES_REPO": str(REPO)})
+                  api_url, tail=30, env={"MILES_REPO": str(REPO), "AWS_ACCESS_KEY_ID": "testing",
+                                         "AWS_SECRET_ACCESS_KEY": "testing"})
 
 
 def _cfg(s3, model_dir: str, name: str, **rollout):

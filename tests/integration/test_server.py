@@ -43,8 +43,8 @@ def home():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def miles_server(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+def miles_server(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "deployments.cli", "server", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180)
 
@@ -235,3 +235,71 @@ def test_helper_yields_a_working_server_and_cleans_up(home):
                 LocalServer(server_home).status().postgres_pid]
         assert all(pids)
     assert all(_gone(p) for p in pids) and not server_home.exists()
+
+
+def _api(url: str, auth: str | None = None, data: dict | None = None) -> tuple[int, object]:
+    """(HTTP status, JSON body) of a request to the Prefect API, with Basic auth when ``auth`` is given."""
+    import base64
+    import urllib.error
+
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    body = None if data is None else json.dumps(data).encode()
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+def test_a_server_beyond_loopback_needs_an_auth_string_and_strangers_are_refused(home):
+    """Bound to 0.0.0.0 (as workers on other machines need), the server refuses to start without an
+    API auth string; with one, a request without it gets 401, and a worker that has it runs a
+    deployment. The string reaches neither server.json nor the server's log."""
+    from serving import served
+
+    auth = "admin:" + os.urandom(12).hex()
+    no_auth = {"PREFECT_SERVER_API_AUTH_STRING": "", "PREFECT_API_AUTH_STRING": ""}
+    port = free_port()
+    refused = miles_server("start", "--home", str(home), "--host", "0.0.0.0", "--port", str(port), env=no_auth)
+    assert refused.returncode == 1 and "PREFECT_SERVER_API_AUTH_STRING" in refused.stderr, refused.stderr
+    assert miles_server("status", "--home", str(home)).returncode == EXIT_NOT_RUNNING
+
+    started = miles_server("start", "--home", str(home), "--host", "0.0.0.0", "--port", str(port),
+                           env={"PREFECT_SERVER_API_AUTH_STRING": auth})
+    assert started.returncode == 0, started.stderr
+    assert "PREFECT_API_AUTH_STRING" in started.stderr
+    api = f"http://127.0.0.1:{port}/api"
+    assert _api(f"{api}/health")[0] == 200  # probes stay open
+    assert _api(f"{api}/flows/filter", data={})[0] == 401
+    assert _api(f"{api}/flows/filter", auth="admin:wrong", data={})[0] == 401
+    assert _api(f"{api}/flows/filter", auth=auth, data={})[0] == 200
+    assert auth not in (home / "server.json").read_text() and auth not in (home / "prefect-server.log").read_text()
+
+    client_env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth, "PYTHONPATH": str(REPO)}
+
+    def client(*argv: str) -> str:
+        done = subprocess.run([sys.executable, *argv], cwd=REPO, env=client_env, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, f"{argv}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout + done.stderr
+
+    client("-m", "prefect", "--no-prompt", "work-pool", "create", "auth-pool", "--type", "process")
+    client("-c", "from prefect import flow; flow.from_source(source='.', entrypoint='tests/integration/smoke_flow.py:smoke')"
+                 ".deploy(name='smoke', work_pool_name='auth-pool')")
+    out = client("-m", "prefect", "deployment", "run", "server-smoke-deployed/smoke")
+    run_id = next(w for w in out.replace("'", " ").split() if len(w) == 36 and w.count("-") == 4)
+    with served(["-m", "prefect", "worker", "start", "--pool", "auth-pool", "--type", "process"], api,
+                env={"PREFECT_API_AUTH_STRING": auth}):
+        deadline = time.monotonic() + 120
+        state = None
+        while time.monotonic() < deadline:
+            state = _api(f"{api}/flow_runs/{run_id}", auth=auth)[1]["state"]["type"]
+            if state in ("COMPLETED", "FAILED", "CRASHED"):
+                break
+            time.sleep(0.5)
+    assert state == "COMPLETED", state
+    assert _api(f"{api}/flow_runs/{run_id}")[0] == 401
+    assert miles_server("stop", "--home", str(home)).returncode == 0

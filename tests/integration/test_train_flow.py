@@ -168,12 +168,25 @@ def test_storage_credentials_come_from_a_prefect_secret_block(prefect_backend, t
         fs = fsspec.filesystem("s3", **s3.storage_options)
         saved = fs.cat_file(f"{run}/config.json").decode()
         assert "block-secret-123" not in saved and '"credentials_block": "s3-test-creds"' in saved
+        # nor Prefect's database: the run's parameters and its evaluation subflows' (which received the
+        # config with the block's options merged in) hold no secret
+        stored = _stored_flow_run_parameters()
+        assert len(stored) >= 2 and any('"credentials_block": "s3-test-creds"' in p for p in stored), stored
+        assert not [p for p in stored if "block-secret-123" in p or "block-key" in p]
 
         missing = _tiny_run(tmp_path, tiny_model_dir, storage={**storage, "credentials_block": "no-such-block"})
         state = train(missing, return_state=True)
         assert state.is_failed()
         with pytest.raises(ValueError, match="no-such-block.*no such Secret block"):
             state.result()
+
+
+def _stored_flow_run_parameters() -> list[str]:
+    """Every flow run's parameters as the Prefect API stores them (JSON text)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return [json.dumps(run.parameters) for run in client.read_flow_runs(limit=200)]
 
 
 def _digit_share(sample) -> float:

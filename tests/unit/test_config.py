@@ -350,3 +350,25 @@ def test_out_of_range_numbers_are_refused_naming_the_field(field, value, message
     with pytest.raises(ValueError) as error:
         RunConfig.model_validate({table: {key: value}})
     assert field in str(error.value) and message in str(error.value), str(error.value)
+
+
+def test_secret_storage_options_never_reach_json_but_stay_in_python():
+    """What Prefect stores (flow-run parameters: the config's JSON form) holds no credentials; the
+    run's own objects, and a child process's stdin (``WITH_SECRETS``), keep them."""
+    import json
+
+    from fastapi.encoders import jsonable_encoder  # what Prefect serialises flow-run parameters with
+
+    from miles_core.config import WITH_SECRETS
+
+    options = {"endpoint_url": "http://s3.local", "key": "AKIA-1", "secret": "s3cr3t", "use_listings_cache": False,
+               "client_kwargs": {"aws_session_token": "tok-1", "region_name": "eu"}}
+    cfg = RunConfig.model_validate({"storage": {"root": "s3://b/runs", "storage_options": options},
+                                    "data": {"type": "file", "path": "s3://b/d.jsonl",
+                                             "storage_options": {"password": "pw-1", "anon": False}}})
+    for text in (json.dumps(jsonable_encoder(cfg)), cfg.model_dump_json(), json.dumps(cfg.model_dump(mode="json"))):
+        assert not any(s in text for s in ("AKIA-1", "s3cr3t", "tok-1", "pw-1")), text
+        assert "http://s3.local" in text and '"region_name": "eu"' in text.replace('":"', '": "')
+    assert cfg.storage.storage_options == options and cfg.data.storage_options["password"] == "pw-1"
+    again = RunConfig.model_validate(json.loads(cfg.model_dump_json(context=WITH_SECRETS)))
+    assert again.storage.storage_options == options

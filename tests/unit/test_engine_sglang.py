@@ -194,3 +194,43 @@ def test_client_and_server_modules_import_without_torch():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+class StuckTransport:
+    """``/generate`` answers after ``generate_s`` (None: never); ``/health`` answers at once when
+    ``healthy``, else never (a frozen server accepts connections and answers nothing)."""
+
+    def __init__(self, generate_s: float | None, healthy: bool) -> None:
+        self.generate_s, self.healthy = generate_s, healthy
+
+    async def request(self, method, url, body, timeout):
+        if url.endswith("/health"):
+            if self.healthy:
+                return 200, b""
+        elif self.generate_s is not None:
+            await asyncio.sleep(self.generate_s)
+            return 200, json.dumps([item([5], [-0.5], {"type": "length", "length": 1})]).encode()
+        await asyncio.Event().wait()
+
+    async def close(self):
+        pass
+
+
+def test_a_frozen_server_fails_its_requests_at_the_health_deadline_naming_what_was_pending(caplog):
+    cfg = SGLangEngineConfig(url=URL, health_warn_s=0.1, health_timeout_s=0.4, coalesce_window_s=0)
+    engine = SGLangEngine(URL, cfg, transport=StuckTransport(None, healthy=False))
+    _made.append(engine)
+    with caplog.at_level("WARNING"), pytest.raises(EngineUnreachable) as err:
+        asyncio.run(engine.generate([GenerateRequest([1])]))
+    text = str(err.value)
+    assert text.startswith(f"{URL}: the engine server gave no sign of life for ") and "engine.health_timeout_s = 0.4" in text
+    assert "1 request(s) pending (/generate; the oldest for " in text
+    assert any(f"the engine server at {URL} has not answered" in r.message for r in caplog.records)
+
+
+def test_a_slow_reply_from_a_healthy_server_is_waited_for():
+    cfg = SGLangEngineConfig(url=URL, health_warn_s=0.1, health_timeout_s=0.2, coalesce_window_s=0)
+    engine = SGLangEngine(URL, cfg, transport=StuckTransport(0.6, healthy=True))
+    _made.append(engine)
+    [result] = asyncio.run(engine.generate([GenerateRequest([1])]))
+    assert result.output_ids == [5]
