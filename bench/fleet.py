@@ -79,7 +79,10 @@ class ProcessLauncher:
         cmd = [sys.executable, __file__, "--producer", producer, "--run-id", self.refs.run_id,
                "--run-dir", self.refs.run_dir]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True)
-        proc.stdin.write(json.dumps({"cfg": self.cfg.model_dump(mode="json"), "shape": asdict(self.shape)}))
+        from miles_core.config import WITH_SECRETS
+
+        cfg = self.cfg.model_dump(mode="json", context=WITH_SECRETS)  # the S3 credentials too: on stdin only
+        proc.stdin.write(json.dumps({"cfg": cfg, "shape": asdict(self.shape)}))
         proc.stdin.close()
         self.procs[producer] = proc
 

@@ -141,11 +141,13 @@ class LocalServer:
             yield
 
     def start(self, port: int | None = None, db_port: int | None = None, timeout: float = 120.0,
-              host: str = HOST) -> ServerStatus:
+              host: str | None = None) -> ServerStatus:
         """Start whatever is not running yet; return the status once the API answers. ``host``:
-        the address the API binds to (not loopback: only with an API auth string)."""
+        the address the API binds to (None: the last one used, else 127.0.0.1; not loopback: only
+        with an API auth string)."""
+        host = host or self._read_state().get("host") or HOST
         auth = _auth_string()
-        if not _is_loopback(host) and not auth:
+        if not _is_loopback(host) and not auth and not self.status().running:
             raise ServerError(
                 f"--host {host} would let anyone who can reach this machine drive the Prefect API (start "
                 "flow runs, read parameters): set PREFECT_SERVER_API_AUTH_STRING='user:long-random-password' "
@@ -513,9 +515,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"Prefect API/UI port (default: the last one used, else {DEFAULT_PORT})")
     start.add_argument("--db-port", type=int, help="postgres port (default: the last one used, else a free one)")
     start.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the API (default: 120)")
-    start.add_argument("--host", default=HOST,
-                       help=f"address the API binds to (default: {HOST}); any other (e.g. 0.0.0.0, for workers on "
-                            "other machines) needs PREFECT_SERVER_API_AUTH_STRING set")
+    start.add_argument("--host", default=None,
+                       help=f"address the API binds to (default: the last one used, else {HOST}); any other (e.g. "
+                            "0.0.0.0, for workers on other machines) needs PREFECT_SERVER_API_AUTH_STRING set")
     actions.add_parser("stop", parents=[common], help="stop the Prefect server, then postgres; keeps the data")
     actions.add_parser("status", parents=[common], help=f"show the server; exits {EXIT_NOT_RUNNING} when not running")
 

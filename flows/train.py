@@ -327,7 +327,13 @@ def _audit(refs: RunRefs, cfg: RunConfig, log) -> dict[str, Any]:
     """The run's prompt ledger, audited (``miles audit``); problems are logged as errors."""
     from miles_core.ledger import audit, format_audit
 
-    result = audit(refs.run_dir, cfg.storage.storage_options, finished=True)
+    try:
+        result = audit(refs.run_dir, cfg.storage.storage_options, finished=True)
+    except Exception as e:  # noqa: BLE001 (the run trained: an audit that cannot be read must not fail it)
+        log.error("the prompt ledger could not be audited (run `miles audit %s` again): %s: %s", refs.run_dir,
+                  type(e).__name__, e)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "counts": {}, "tokens": {}, "problems": [],
+                "num_problems": 0}
     (log.info if result.ok else log.error)(format_audit(result))
     return result.to_json()
 
@@ -382,6 +388,8 @@ def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None
 def _audit_line(a: dict[str, Any]) -> str:
     t = a["tokens"]
     counts = ", ".join(f"{n} {name}" for name, n in a["counts"].items())
+    if "error" in a:
+        return f"**not audited**: {a['error']}"
     head = "OK" if a["ok"] else f"**{a['num_problems']} problem(s)**: {'; '.join(a['problems'][:3])}"
     return (f"{head}; {counts}; tokens generated {t.get('generated', 0)} = trained {t.get('trained', 0)} + "
             f"rejected {t.get('rejected', 0)} + abandoned {t.get('abandoned', 0)}")

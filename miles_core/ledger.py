@@ -279,10 +279,13 @@ def _audit_fleet(fs, root: str, entries: list[dict[str, Any]], finished: bool) -
             elif gi in rejected:
                 what = f"rejected ({rejected[gi][0]}, {rejected[gi][1]})"
                 result.tokens["rejected"] += tokens
-            elif passed:
+            elif passed and finished:
                 what = "lost"
                 result.problems.append(f"group {gi} (prompt row of instance {inst}) was written and the trainer's "
                                        "cursor passed it, but it was neither trained nor rejected")
+                result.tokens["abandoned"] += tokens
+            elif passed:  # rejected in the step that was going on (its entry comes with the step; a resume redoes it)
+                what = "read by the trainer when the run stopped"
                 result.tokens["abandoned"] += tokens
             else:
                 what = "written, not read by the end"

@@ -117,20 +117,26 @@ class AiohttpTransport:
 
 class HealthWatch:
     """The health deadline of one server's requests (on the engine's I/O loop). While requests
-    wait, ``GET /health`` is probed every ``probe_s``; a reply, or any request answered, is a sign of
-    life. After ``warn_s`` without one, a warning names the URL and what is pending (and again
-    every ``warn_s``); after ``timeout_s``, every pending request fails with ``EngineUnreachable``
-    naming them, instead of waiting out the request timeout."""
+    wait, ``GET /health`` is probed every ``probe_s`` (SGLang's own ``/health`` may run a one-token
+    generation, so each probe gets ``probe_s`` to answer); a reply, or any request answered, is a
+    sign of life. After ``warn_s`` without one, a warning names the URL and what is pending (and
+    again every ``warn_s``); after ``timeout_s``, every pending request fails with
+    ``EngineUnreachable`` naming them, instead of waiting out the request timeout. While a
+    control call that may legitimately hold the server (a weight update, a pause, an adapter
+    load: ``EXEMPT``) is pending, the server counts as alive; those calls have their own timeout."""
+
+    EXEMPT = ("/update_weights_from_disk", "/pause_generation", "/load_lora_adapter", "/unload_lora_adapter")
 
     def __init__(self, url: str, transport: Transport, warn_s: float, timeout_s: float,
                  warn=log.warning, clock=time.monotonic) -> None:
         self.url, self.transport = url, transport
         self.warn_s, self.timeout_s = warn_s, timeout_s
-        self.probe_s = max(0.05, min(5.0, timeout_s / 4))
+        self.probe_s = max(0.05, min(25.0, timeout_s / 4))
         self.warn, self.clock = warn, clock
         self._pending: dict[asyncio.Task, tuple[str, float]] = {}
         self._life = clock()
-        self._failed: str | None = None
+        self._expired: dict[asyncio.Task, str] = {}
+        """Requests this watch cancelled at the deadline, each with why."""
         self._watcher: asyncio.Task | None = None
 
     async def track(self, path: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -144,11 +150,13 @@ class HealthWatch:
         try:
             result = await task
         except asyncio.CancelledError:
-            if self._failed is not None and task.cancelled():
-                raise EngineUnreachable(self._failed) from None
+            why = self._expired.get(task)
+            if why is not None:  # this watch cancelled it (else the caller was cancelled: that propagates)
+                raise EngineUnreachable(why) from None
             raise
         finally:
             self._pending.pop(task, None)
+            self._expired.pop(task, None)
         self._life = self.clock()
         return result
 
@@ -171,6 +179,9 @@ class HealthWatch:
             await asyncio.sleep(self.probe_s)
             if not self._pending:
                 return
+            if any(path in self.EXEMPT for path, _ in self._pending.values()):
+                self._life, warned_at = self.clock(), None
+                continue
             try:
                 status, _ = await asyncio.wait_for(self.transport.request("GET", f"{self.url}/health", None,
                                                                           self.probe_s), self.probe_s)
@@ -180,10 +191,10 @@ class HealthWatch:
                 pass
             silent = self.clock() - self._life
             if silent >= self.timeout_s:
-                self._failed = (f"{self.url}: the engine server gave no sign of life for {silent:.0f} s (no reply, "
-                                f"and /health unanswered; engine.health_timeout_s = {self.timeout_s:g}); "
-                                f"{self.describe()}")
+                why = (f"{self.url}: the engine server gave no sign of life for {silent:.0f} s (no reply, and "
+                       f"/health unanswered; engine.health_timeout_s = {self.timeout_s:g}); {self.describe()}")
                 for task in list(self._pending):
+                    self._expired[task] = why
                     task.cancel()
                 return
             if silent >= self.warn_s and (warned_at is None or self.clock() - warned_at >= self.warn_s):

@@ -201,11 +201,13 @@ class GroupFeed:
 
     def state(self) -> dict[str, dict[str, Any]]:
         """What a checkpoint keeps of this feed, per stream: the durable cursor, and the groups
-        already used (trained or rejected) in the segments after it. Call it after ``commit``."""
-        out = {name: {"cursor": reader.cursor, "used": []} for name, reader in self.readers.items()}
+        already used (trained or rejected) in the segments after it. Call it after ``commit``. The
+        groups this feed began with as ``done`` are not in it: a checkpoint keeps them beside it
+        (``TrainerSide.feed_state``), also those in segments not read yet."""
+        out = {name: {"cursor": reader.cursor, "used": []} for name, reader in list(self.readers.items())}
         pending = set(self._segment_of)  # read and not used yet: in the buffer, or handed out
-        for (name, _), groups in self._groups_of.items():
-            out[name]["used"] += [g for g in groups if g not in pending]
+        for (name, _), groups in list(self._groups_of.items()):
+            out[name]["used"] += [g for g in groups if g not in pending and g not in self.done]
         for entry in out.values():
             entry["used"].sort()
         return out
@@ -330,7 +332,7 @@ class GroupFeed:
             if key is not None:
                 self._unused[key] -= 1
         moves = []
-        for name, reader in self.readers.items():  # each stream's cursor, past its wholly used segments
+        for name, reader in list(self.readers.items()):  # each stream's cursor, past its wholly used segments
             done = reader.cursor
             while self._unused.get((name, done + 1)) == 0:
                 done += 1

@@ -210,6 +210,9 @@ class PromptLog:
             raise ValueError(f"a claim takes 1 to {GROUP_STRIDE - 1} prompts, got {n}")
 
         def entry(last: Claim | None) -> Claim:
+            if any(c.fenced and c.producer == producer for c in self._entries):  # what it took would be lost
+                raise ProducerFenced(f"producer {producer} was declared dead by the trainer (prompt log entry of its "
+                                     "fenced release); it claims nothing more")
             cursor = last.cursor if last is not None else self.start_cursor
             pending = list(last.pending) if last is not None else []
             rows, pending = pending[:n], pending[n:]

@@ -324,9 +324,8 @@ class RolloutProducer:
         self._seen_weights_at = 0.0
         self._writer: StreamWriter | None = None
         self.abandoned_groups: dict[int, int] = {}
-        """Group index -> prompt row of each group abandoned on stop (without ``partial_rollout``)."""
-        """Prompt indices of the groups cut short by stop and not saved as partial (their rows go
-        back to a fleet's prompt pool)."""
+        """Group index -> prompt row of each group cut short by stop and not saved as partial (a
+        fleet member gives them back to the prompt pool)."""
 
     # -------------------------------------------------------------------- control (any thread)
 

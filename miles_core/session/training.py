@@ -179,14 +179,15 @@ class TrainerSide:
         stream's cursor, the groups used after it, and the prompt log's last entry then."""
         last = self.fleet.log.last() if self.fleet is not None else None
         feed = self.feed()
-        return {"streams": feed.state(), "log_seq": last.seq if last is not None else -1,
+        return {"streams": feed.state(), "done": sorted(feed.done), "log_seq": last.seq if last is not None else -1,
                 "rejections": list(feed.rejections)}
 
     def restore_feed(self, state: dict[str, Any]) -> None:
         """Fully async: put every stream's trainer cursor back to ``state`` (a checkpoint's
         ``feed_state``; a stream begun after it goes back to its start), and remember which groups
-        after the cursors were settled then, or recycled since (their prompts are back in the pool
-        already), so the feed trains each remaining group once. ``{"streams": {}, "log_seq": -1}``:
+        after the cursors were settled then (and those an earlier resume had settled), and every
+        group the trainer ever recycled (its prompt is back in the pool already), so the feed trains
+        each remaining group once. ``{"streams": {}, "log_seq": -1}``:
         a run that never finished a step, from the start."""
         from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
 
@@ -198,9 +199,9 @@ class TrainerSide:
             reader = self.files.stream.sibling(name).reader(self.reader)
             if reader.cursor != cursor:
                 reader.commit(cursor)
-        done = {int(g) for entry in streams.values() for g in entry["used"]}
+        done = {int(g) for entry in streams.values() for g in entry["used"]} | {int(g) for g in state.get("done", [])}
         for c in PromptLog(self.refs.run_dir, opts, retry=retry).entries():
-            if c.seq > state["log_seq"] and c.kind == "release" and c.reason == RECYCLED:
+            if c.kind == "release" and c.reason == RECYCLED:  # its prompt is back in the pool: never trainable
                 done.update(c.groups)
         self.done_before = done
         self.rejections_before = list(state.get("rejections", []))

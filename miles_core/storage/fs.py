@@ -113,10 +113,14 @@ def _local_temp(path: str, data: bytes):
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # a write error names no file: say which, and what to do when the disk is full
+            hint = "; the disk is full: free space there, or move storage.root" if e.errno == errno.ENOSPC else ""
+            raise OSError(e.errno, f"{path}: cannot write {len(data)} bytes ({e.strerror}){hint}") from e
         yield tmp
     finally:
         try:

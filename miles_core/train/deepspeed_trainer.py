@@ -43,6 +43,7 @@ Every public method is collective: all ranks call it, in the same order (``launc
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import socket
@@ -333,13 +334,14 @@ class DeepSpeedTrainer(TorchTrainer):
 
     def save(self, uri: str) -> None:
         """DeepSpeed's checkpoint into ``<stem>.deepspeed/`` next to ``uri`` (each rank uploads the
-        files it wrote), then ``uri``: version, RNG states and layout, written last by rank 0."""
+        files it wrote), then ``uri``: version, RNG states and layout, written last by rank 0. Every
+        storage call waits out an outage as run files do (``storage.max_outage_s``)."""
         import torch.distributed as dist
 
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
         shards = _shard_folder(path)
-        if self.is_main and fs.exists(shards):
-            fs.rm(shards, recursive=True)  # a stale save at the same URI
+        if self.is_main and self._io(fs, shards, lambda: fs.exists(shards)):
+            self._io(fs, shards, lambda: fs.rm(shards, recursive=True))  # a stale save at the same URI
         dist.barrier()
         with tempfile.TemporaryDirectory(prefix="miles-ds-save-") as tmp:
             self.engine.save_checkpoint(
@@ -347,24 +349,33 @@ class DeepSpeedTrainer(TorchTrainer):
                 exclude_frozen_parameters=self.lora is not None,  # LoRA: the base loads from model_dir
             )
             local = Path(tmp) / _ENGINE_TAG
-            fs.makedirs(shards, exist_ok=True)
+            self._io(fs, shards, lambda: fs.makedirs(shards, exist_ok=True))
             for file in sorted(local.iterdir()):
-                fs.put_file(str(file), posixpath.join(shards, file.name))
+                target = posixpath.join(shards, file.name)
+                self._io(fs, target, lambda: fs.put_file(str(file), target))
         rng = [None] * self.world_size
         dist.all_gather_object(rng, self._rng_state())
         dist.barrier()  # every shard is written before the marker
         if self.is_main:
             state = {"version": self._version, "shuffle_rng": self._generator.get_state(), "rank_rng": rng,
                      "world_size": self.world_size, "zero_stage": self.zero_stage, "lora": self.lora is not None}
-            save_torch(fs, path, state)
+            self._io(fs, path, lambda: save_torch(fs, path, state))
         dist.barrier()
 
+    def _io(self, fs, path: str, fn):
+        """``fn()``, retried on transient storage errors for the run's outage window."""
+        from miles_core.storage.fs import to_url, with_retries
+
+        return with_retries(fn, to_url(fs, path), fs, self._retry)
+
     def load(self, uri: str) -> None:
+        from miles_core.storage.fs import read_bytes
+
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        if not fs.exists(path):
+        data = self._io(fs, path, lambda: read_bytes(fs, path))
+        if data is None:
             raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
-        with fs.open(path, "rb") as f:
-            state = torch.load(f, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         layout = (state.get("world_size"), state.get("zero_stage"), state.get("lora"))
         if layout != (self.world_size, self.zero_stage, self.lora is not None):
             raise ValueError(
@@ -376,8 +387,8 @@ class DeepSpeedTrainer(TorchTrainer):
         with tempfile.TemporaryDirectory(prefix="miles-ds-load-") as tmp:
             local = Path(tmp) / _ENGINE_TAG
             local.mkdir()
-            for remote in fs.ls(shards, detail=False):
-                fs.get_file(remote, str(local / posixpath.basename(remote)))
+            for remote in self._io(fs, shards, lambda: fs.ls(shards, detail=False)):
+                self._io(fs, remote, lambda: fs.get_file(remote, str(local / posixpath.basename(remote))))
             loaded, _ = self.engine.load_checkpoint(
                 tmp, tag=_ENGINE_TAG, load_module_strict=self.lora is None, load_optimizer_states=True,
                 load_lr_scheduler_states=False,

@@ -392,8 +392,8 @@ class TorchTrainer:
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
 
     def save(self, uri: str) -> None:
-        """torch.save of ``state_dict()`` to ``uri``, written to ``<uri>.tmp`` then moved into place;
-        transient storage errors are retried as the weight store's are (``storage.max_outage_s``)."""
+        """torch.save of ``state_dict()`` to ``uri``, atomically (``save_torch``); transient storage
+        errors are retried as the weight store's are (``storage.max_outage_s``)."""
         from miles_core.storage.fs import with_retries
 
         fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
@@ -442,16 +442,16 @@ def _uses_reference(cfg: TrainConfig) -> bool:
 
 
 def save_torch(fs: Any, path: str, state: dict[str, Any]) -> None:
-    """``torch.save(state)`` to ``path`` on ``fs``, written to ``<path>.tmp`` then moved into place
-    (a reader never sees half a checkpoint)."""
+    """``torch.save(state)`` to ``path`` on ``fs``, atomically (``storage.fs.atomic_write``: a reader
+    never sees half a checkpoint; a failed write, such as a full disk, names the file)."""
+    from miles_core.storage.fs import atomic_write
+
     buffer = io.BytesIO()
     torch.save(state, buffer)
     parent = posixpath.dirname(path)
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    with fs.open(path + ".tmp", "wb") as f:
-        f.write(buffer.getvalue())
-    fs.mv(path + ".tmp", path)
+    atomic_write(fs, path, buffer.getvalue())
 
 
 def _cpu_copies(state: dict[str, Tensor]) -> dict[str, Tensor]:

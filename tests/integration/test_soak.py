@@ -4,7 +4,7 @@ process session (trainer, producers, the Prefect server) at random points, then 
 after each the prompt ledger must still account for every prompt; the resumed run ends with every
 step once, and `miles audit` finds no prompt lost or trained twice.
 
-A longer version (more kills, sync and async too): ``scripts/soak.sh``."""
+A longer version (10 kills, ``MILES_SOAK_KILLS``): ``scripts/soak.sh``."""
 
 from __future__ import annotations
 

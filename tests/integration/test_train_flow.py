@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,27 @@ def test_a_run_with_steps_but_no_checkpoint_is_not_restarted(prefect_backend, ti
     run_dir = tmp_path / "runs" / "flow-test" / "no-checkpoint"
     assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1]  # the old run is left as it was
     assert len(list((run_dir / "samples" / "rollout").glob("*.arrow"))) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_fails_the_run_naming_the_file_and_leaves_nothing_half_written(prefect_backend, tiny_model_dir,
+                                                                                    tmp_path):
+    import subprocess
+
+    from flows.train import train
+
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        cfg = _tiny_run(tmp_path, tiny_model_dir, storage={"root": str(small / "runs")}, eval={"eval_interval": None})
+        cfg.rollout.num_rollout = 500  # the 1 MB disk fills long before
+        state = train(cfg, return_state=True)
+        assert state.is_failed(), state
+        with pytest.raises(OSError, match=rf"^\[Errno 28\] {small}/runs/\S+: cannot write \d+ bytes \(No space left "
+                                          r"on device\); the disk is full: free space there, or move storage.root"):
+            state.result()
+        assert not [p for p in small.rglob("*") if ".tmp" in p.name], "a failed write leaves no temp file"
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

@@ -19,6 +19,7 @@ from miles_core.rollout.fleet import (
     ControlPlane,
     FleetMonitor,
     Heartbeat,
+    ProducerFenced,
     PromptLog,
     stream_name,
 )
@@ -297,6 +298,8 @@ def test_a_dead_producers_prompts_go_back_once_whoever_releases_first(run_dir):
     assert fenced.rows == [2] and fenced.groups == [claim.group_index(2)] and fenced.fenced
     assert log.release_own({claim.group_index(2): 2}, reason="late", producer="p0") is None
     assert log.release_unwritten("p0", settled=set(), reason="again") is None, "fenced once"
+    with pytest.raises(ProducerFenced, match="claims nothing more"):  # what it took now would never come back
+        PromptLog(run_dir, draw=counter_draw(100)).claim("p0", 1)
     assert log.last().pending == [3, 2]
     assert sorted(PromptLog(run_dir, draw=counter_draw(100)).claim("p1", 3).rows) == [2, 3, 4]
 
