@@ -17,6 +17,7 @@ TITLES = {
     "stream": "SampleStream vs raw fsspec (bench/stream.py)",
     "train_step": "Train step: torch vs DeepSpeed, full vs LoRA (bench/train_step.py)",
     "multi_lora": "Multi-LoRA: shared rollouts vs separate runs (bench/multi_lora.py)",
+    "resume": "Checkpoints and resumes, per mode (bench/resume.py)",
 }
 
 
