@@ -110,6 +110,9 @@ def audit(run_dir: str, storage_options: dict[str, Any] | None = None, finished:
     the run is over (None: it is when it has ``summary.json``); a prompt still in flight in a
     finished run was lost."""
     fs, root = open_fs(run_dir, storage_options)
+    if not fs.exists(join(root, "config.json")):
+        raise FileNotFoundError(f"{run_dir}: no run here (no config.json); give the folder of a training run, "
+                                "e.g. runs/<name>/<run id>")
     if finished is None:
         finished = fs.exists(join(root, "summary.json"))
     entries = [_read_json(fs, join(root, LEDGER, f"step-{k:06d}.json")) for k in _steps_in(fs, join(root, LEDGER))]
@@ -120,6 +123,9 @@ def audit(run_dir: str, storage_options: dict[str, Any] | None = None, finished:
     result.run_dir = run_dir
     steps = [e["step"] for e in entries]
     result.steps = len(steps)
+    if not steps and read_bytes(fs, join(root, "metrics.jsonl")):
+        raise ValueError(f"{run_dir} has training steps but no prompt ledger (ledger/): it was trained by a version "
+                         "that did not write one, so it cannot be audited")
     if steps != list(range(1, len(steps) + 1)):
         result.problems.append(f"ledger steps are not 1..{len(steps)}: {steps[:20]}")
     balance = result.to_json()["token_balance"]

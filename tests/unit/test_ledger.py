@@ -13,6 +13,7 @@ from test_fleet import _group, counter_draw
 
 def _run(tmp_path):
     layout = RunLayout(str(tmp_path / "runs"), "toy", "r1")
+    layout.write_json("config.json", {})
     log = PromptLog(layout.run_dir, draw=counter_draw(100))
     stream = SampleStream(layout.run_dir).sibling(stream_name("p0"))
     return layout, log, stream
@@ -48,3 +49,14 @@ def test_a_prompt_trained_twice_or_lost_is_a_problem(tmp_path):
     assert f"group {claim.group_index(1)}" in text and "neither trained nor rejected" in text
     assert "neither wrote it nor gave it back, in a run that finished" in text
     assert result.to_json()["token_balance"] == -4  # group 0 counted twice, group 1 abandoned
+
+
+def test_a_folder_that_is_not_a_run_or_has_no_ledger_is_refused_not_passed(tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="no run here"):
+        audit(str(tmp_path / "nothing"))
+    layout, _, _ = _run(tmp_path)
+    layout.write_jsonl("metrics.jsonl", [{"step": 1}])
+    with pytest.raises(ValueError, match="has training steps but no prompt ledger"):
+        audit(layout.run_dir)
