@@ -237,8 +237,19 @@ def _assert_stopped_whole(run) -> None:
     from miles_core.storage import SampleStream
 
     run_dir = Path(run.run_dir)
-    beats = ControlPlane(str(run_dir)).heartbeats()
-    assert beats, "no producer heartbeat in the run folder"
+    control = ControlPlane(str(run_dir))
+    assert control.heartbeats(), "no producer heartbeat in the run folder"
+
+    def all_stopped():
+        beats = control.heartbeats()
+        return beats if all(beat.status == "stopped" for beat in beats.values()) else None
+
+    # the run is CANCELLED once its own process ends; a producer (a process of its own, told by
+    # SIGTERM or by finding its parent gone) says "stopped" a moment later, under load seconds later
+    try:
+        beats = wait_for(all_stopped, 30, "every producer to say it stopped", poll=0.2)
+    except AssertionError:
+        raise AssertionError(f"producers not stopped 30 s after the run was: {control.heartbeats()}") from None
     for producer, beat in beats.items():
         assert beat.status == "stopped", (producer, beat)
         segments = SampleStream(str(run_dir), producer=stream_name(producer)).read()  # every one decodes
