@@ -117,10 +117,9 @@ def audit(run_dir: str, storage_options: dict[str, Any] | None = None, finished:
         finished = fs.exists(join(root, "summary.json"))
     entries = [_read_json(fs, join(root, LEDGER, f"step-{k:06d}.json")) for k in _steps_in(fs, join(root, LEDGER))]
     if fs.exists(join(root, "fleet", "claims")):
-        result = _audit_fleet(fs, root, entries, finished)
+        result = _audit_fleet(run_dir, storage_options, entries, finished)
     else:
-        result = _audit_steps(fs, root, entries)
-    result.run_dir = run_dir
+        result = _audit_steps(run_dir, storage_options, entries)
     steps = [e["step"] for e in entries]
     result.steps = len(steps)
     if not steps and read_bytes(fs, join(root, "metrics.jsonl")):
@@ -161,42 +160,25 @@ def _trained_by_group(entries: list[dict[str, Any]], result: Audit) -> tuple[dic
     return trained, rejected
 
 
-def _segments(fs, folder: str) -> dict[int, list[tuple[int, int, int]]]:
-    """Offset -> (group index, prompt row, response tokens) of each group in the stream at ``folder``."""
-    from miles_core.storage.stream import _decode
-
+def _segments(stream) -> dict[int, list[tuple[int, int, int]]]:
+    """Offset -> (group index, prompt row, response tokens) of each group in ``stream`` (a ``SampleStream``)."""
     out: dict[int, list[tuple[int, int, int]]] = {}
-    try:
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False))
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not (name.endswith(".arrow") and name.split(".")[0].isdigit()):
-            continue
-        path = join(folder, name)
-        table = _decode(read_bytes(fs, path), path)
+    for segment in stream.read():
         groups: dict[int, list[int]] = {}
-        for gi, row, resp in zip(table.column("group_index").to_pylist(), table.column("prompt_index").to_pylist(),
-                                 table.column("response_ids").to_pylist()):
-            acc = groups.setdefault(gi, [row, 0])
-            acc[1] += len(resp)
-        out[int(name.split(".")[0])] = [(gi, row, tokens) for gi, (row, tokens) in groups.items()]
+        t = segment.table
+        for gi, row, resp in zip(t.column("group_index").to_pylist(), t.column("prompt_index").to_pylist(),
+                                 t.column("response_ids").to_pylist()):
+            groups.setdefault(gi, [row, 0])[1] += len(resp)
+        out[segment.offset] = [(gi, row, tokens) for gi, (row, tokens) in groups.items()]
     return out
 
 
-def _cursor(fs, root: str, stream: str, reader: str = "trainer") -> int:
-    from miles_core.storage.layout import cursor_file
+def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
+    from miles_core.storage import SampleStream
 
-    data = read_bytes(fs, join(root, cursor_file(stream, reader)))
-    return -1 if data is None else int(json.loads(data)["offset"])
-
-
-def _audit_steps(fs, root: str, entries: list[dict[str, Any]]) -> Audit:
-    from miles_core.storage.layout import samples_dir
-
-    result = Audit(root, "steps")
+    result = Audit(run_dir, "steps")
     trained, rejected = _trained_by_group(entries, result)
-    segments = _segments(fs, join(root, samples_dir("rollout")))
+    segments = _segments(SampleStream(run_dir, storage_options=options))
     read = {e["segment"]: e for e in entries if e.get("segment") is not None}
     for offset, groups in segments.items():
         for gi, _row, tokens in groups:
@@ -215,15 +197,13 @@ def _audit_steps(fs, root: str, entries: list[dict[str, Any]]) -> Audit:
     return result
 
 
-def _audit_fleet(fs, root: str, entries: list[dict[str, Any]], finished: bool) -> Audit:
-    from miles_core.rollout.fleet import RECYCLED, Claim, stream_name
-    from miles_core.storage.layout import samples_dir
+def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished: bool) -> Audit:
+    from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
+    from miles_core.storage import SampleStream
 
-    result = Audit(root, "fleet")
+    result = Audit(run_dir, "fleet")
     trained, rejected = _trained_by_group(entries, result)
-    claims_dir = join(root, "fleet", "claims")
-    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(claims_dir, detail=False))
-    log = [Claim.of(_read_json(fs, join(claims_dir, n))) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+    log = PromptLog(run_dir, options).entries()
 
     # replay the log: each group index belongs to a prompt instance; a release puts instances in the pool
     instance_of: dict[int, int] = {}
@@ -252,25 +232,20 @@ def _audit_fleet(fs, root: str, entries: list[dict[str, Any]], finished: bool) -
             for gi in c.groups:
                 settled[gi] = f"filtered ({c.reason})"
 
-    fences = {}
-    fence_dir = join(root, "fleet", "control", "fence")
-    if fs.exists(fence_dir):
-        for p in fs.ls(fence_dir, detail=False):
-            name = p.rstrip("/").rsplit("/", 1)[-1]
-            if name.endswith(".json") and not name.startswith("."):
-                fences[name[:-5]] = int(_read_json(fs, p)["last_offset"])
+    control = ControlPlane(run_dir, options)
     written: dict[int, tuple[int, bool]] = {}  # group index -> (tokens, at or below the trainer's cursor)
     partial: set[int] = set()
+    base = SampleStream(run_dir, storage_options=options)
     for producer in sorted(set(claimed_by.values())):
-        stream = stream_name(producer)
-        cursor = _cursor(fs, root, stream)
-        for offset, groups in _segments(fs, join(root, samples_dir(stream))).items():
-            if producer in fences and offset > fences[producer]:
+        stream = base.sibling(stream_name(producer))
+        cursor, fence = stream.reader("trainer").cursor, control.fence_of(producer)
+        for offset, groups in _segments(stream).items():
+            if fence is not None and offset > fence:
                 continue  # written after it was declared dead: never read, its prompts were given back
             for gi, _row, tokens in groups:
                 written[gi] = (tokens, offset <= cursor)
                 result.tokens["generated"] += tokens
-        for groups in _segments(fs, join(root, samples_dir(f"partial-{producer}"))).values():
+        for groups in _segments(base.sibling(f"partial-{producer}")).values():
             partial |= {gi for gi, _, _ in groups}
 
     outcome_of: dict[int, list[str]] = {}

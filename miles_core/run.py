@@ -36,7 +36,7 @@ __all__ = ["RolloutRef", "RunRefs", "RunSession", "TrainRef", "checkpoint_due", 
            "prepare_run"]
 
 
-FRESH_FEED = {"streams": {}, "log_seq": -1}
+FRESH_FEED = {"streams": {}}
 """A fully-async run with no checkpoint: every stream is read from its start."""
 
 

@@ -536,13 +536,23 @@ class FleetMonitor:
             return f"no heartbeat for {quiet:.1f} s (timeout {self.heartbeat_timeout_s:g} s)"
         return None
 
+    def declare_dead(self, producer: str, why: str, last_offset: int) -> _Watched:
+        """Watch ``producer`` as dead from now on (a producer of an earlier start of the run)."""
+        self.watch(producer)
+        self._declare_dead(self.watched[producer], why, last_offset)
+        return self.watched[producer]
+
     def _declare_dead(self, w: _Watched, why: str, last_offset: int) -> None:
-        """Fence it at what the trainer can see of its stream now, and release what it claimed
-        and did not write there."""
+        """Fence it at what the trainer can see of its stream now (a fence written before stays:
+        what it wrote after that was given back already), and release what it claimed and did not
+        write there."""
         w.dead = why
-        self.control.fence(w.producer, last_offset, why)
-        self.fences[w.producer] = last_offset
-        released = self.log.release_unwritten(w.producer, self.written(w.producer, last_offset),
+        fence = self.control.fence_of(w.producer)
+        if fence is None:
+            self.control.fence(w.producer, last_offset, why)
+            fence = last_offset
+        self.fences[w.producer] = fence
+        released = self.log.release_unwritten(w.producer, self.written(w.producer, fence),
                                               reason=f"producer {w.producer} died")
         w.released = len(released.rows) if released is not None else 0
 

@@ -91,17 +91,10 @@ class Fleet:
         back every prompt it claimed and did not write (in flight, queued, or saved as partial)."""
         returned = 0
         for producer in sorted(earlier):
-            fence = self.control.fence_of(producer)
-            if fence is None:
-                fence = self._last_offset(producer)
-                self.control.fence(producer, fence, "a producer of an earlier start of the run")
-            released = self.log.release_unwritten(producer, self._written(producer, fence),
-                                                  reason=f"producer {producer} of an earlier start of the run")
-            returned += len(released.rows) if released is not None else 0
             with self._lock:
-                self.monitor.watch(producer)
-                self.monitor.watched[producer].dead = "a producer of an earlier start of the run"
-                self.monitor.fences[producer] = fence
+                dead = self.monitor.declare_dead(producer, "a producer of an earlier start of the run",
+                                                 self._last_offset(producer))
+            returned += dead.released
         if earlier:
             self.warn(f"run {self.refs.run_id} was started before: the trainer reads what its producers "
                       f"{sorted(earlier)} wrote and not yet trained; {returned} prompts they claimed and never "

@@ -176,18 +176,17 @@ class TrainerSide:
 
     def feed_state(self) -> dict[str, Any]:
         """What a fully-async checkpoint keeps of the feed (after the step's ``commit``): every
-        stream's cursor, the groups used after it, and the prompt log's last entry then."""
-        last = self.fleet.log.last() if self.fleet is not None else None
+        stream's cursor, the groups used after it, the groups settled before this feed, and the
+        rejections not yet in the ledger."""
         feed = self.feed()
-        return {"streams": feed.state(), "done": sorted(feed.done), "log_seq": last.seq if last is not None else -1,
-                "rejections": list(feed.rejections)}
+        return {"streams": feed.state(), "done": sorted(feed.done), "rejections": list(feed.rejections)}
 
     def restore_feed(self, state: dict[str, Any]) -> None:
         """Fully async: put every stream's trainer cursor back to ``state`` (a checkpoint's
         ``feed_state``; a stream begun after it goes back to its start), and remember which groups
         after the cursors were settled then (and those an earlier resume had settled), and every
         group the trainer ever recycled (its prompt is back in the pool already), so the feed trains
-        each remaining group once. ``{"streams": {}, "log_seq": -1}``:
+        each remaining group once. ``{"streams": {}}``:
         a run that never finished a step, from the start."""
         from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
 
