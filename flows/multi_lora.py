@@ -14,7 +14,11 @@ rollout stream, so N adapters do not cost N rollouts.
   (``summary.json`` and a markdown artifact) shows each adapter's status and held-out accuracy
   side by side, per evaluation step. It fails only if every adapter failed, or the producer did.
 
-Resuming is not supported: a run id that already has adapter steps is refused.
+Resuming: with ``checkpoint.save_interval`` (``--save-interval N``) each adapter saves its trainer
+and its cursors on the run's streams; the same run id again (after a crash, a Ctrl-C, or with a
+larger ``--num-rollout``) settles what the earlier producer left (``resume-adapters``) and goes on
+with every adapter from its own checkpoint. Every adapter writes a prompt ledger
+(``adapters/<name>/ledger/``); the run's summary has their audit (``miles audit RUN``).
 """
 
 import contextvars
@@ -27,6 +31,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 
 from flows.begin import begin_run
 from miles_core.config import RunConfig
+from miles_core.ledger import audit_at_end, audit_line
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.report import curves_png, data_url, reward_points, run_curves
 from miles_core.run import RunRefs, checkpoint_due
@@ -35,6 +40,7 @@ from tasks.multi_lora import (
     check_data,
     evaluate_adapter,
     evaluate_base,
+    resume_adapters,
     rollout_producer,
     save_adapter_checkpoint,
     train_adapter,
@@ -48,16 +54,21 @@ def _eval_due(cfg: RunConfig, step: int) -> bool:
 
 
 @flow(name="adapter-update", flow_run_name="{name}", validate_parameters=False)
-def adapter_update(cfg: RunConfig, refs: RunRefs, name: str) -> dict[str, Any]:
-    """Train adapter ``name`` for ``rollout.num_rollout`` steps from the run's sample stream."""
+def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> dict[str, Any]:
+    """Train adapter ``name`` from step ``start`` to ``rollout.num_rollout`` from the run's streams."""
     log = get_run_logger()
     session = get_multi_lora_run(cfg, refs).adapters[name]
+    if session.resume_error is not None:  # its trainer could not be built or put back
+        raise session.resume_error
     total = cfg.rollout.num_rollout
-    for step in range(total):
+    for step in range(start, total):
         if stop_requested():  # Ctrl-C or SIGTERM of `miles train-multi-lora`
-            raise RunStopped(f"adapter {name} stopped after step {step} of {total}, as asked", refs.run_id)
+            raise _stopped(cfg, refs, name, step)
         t0 = time.perf_counter()
-        ref = train_adapter(cfg, refs, name, step)
+        try:
+            ref = train_adapter(cfg, refs, name, step)
+        except RunStopped:  # asked to stop while waiting for data: the groups it read stay for a resumed run
+            raise _stopped(cfg, refs, name, step) from None
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
         if _eval_due(cfg, step):
             row["eval_accuracy"] = evaluate_adapter(cfg, refs, name, step + 1)["accuracy"]
@@ -70,6 +81,17 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str) -> dict[str, Any]:
             line += f" | eval accuracy {row['eval_accuracy']:.3f}"
         log.info(line)
     return {"name": name, "steps": total, "version": session.training.trainer.version}
+
+
+def _stopped(cfg: RunConfig, refs: RunRefs, name: str, done: int) -> RunStopped:
+    """Adapter ``name`` was asked to stop after step ``done``: checkpoint it there if the run keeps them."""
+    text = f"adapter {name} stopped after step {done} of {cfg.rollout.num_rollout}, as asked"
+    session = get_multi_lora_run(cfg, refs).adapters[name]
+    if done == 0 or cfg.checkpoint.save_interval is None:
+        return RunStopped(f"{text}; no checkpoint", refs.run_id)
+    if done not in session.layout.checkpoints():
+        save_adapter_checkpoint(cfg, refs, name, done)
+    return RunStopped(f"{text}; checkpoint at step {done}: {session.layout.checkpoint(done)}", refs.run_id, done)
 
 
 @flow(name="train-multi-lora", flow_run_name="{cfg.name}", validate_parameters=True)
@@ -85,24 +107,27 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
     log.info("multi-LoRA run %s: %s; adapters %s, rollout source %s", refs.run_id, refs.run_dir,
              ", ".join(run.names), cfg.multi_lora.rollout_source)
     try:
-        _refuse_resume(run)
         counts = check_data(cfg, refs)
         log.info("prompts: %d for training, %d held out", counts["train_prompts"], counts["eval_prompts"])
         with run_slots(cfg):  # the rollout engine and the trainers, for the run's length
-            before = None if cfg.eval.skip_eval_before_train else evaluate_base(cfg, refs)
-            if before:
-                log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
+            resumed = resume_adapters(cfg, refs)
+            starts = resumed["steps"]
+            if any(starts.values()) or resumed["returned"] or resumed["adopted"]:
+                log.info("resuming run %s: adapters from steps %s; %d prompts the earlier start claimed and never "
+                         "wrote went back to the pool, %d partial groups it saved are continued", refs.run_id,
+                         ", ".join(f"{n} {k}" for n, k in starts.items()), resumed["returned"], resumed["adopted"])
+            before = _before_training(cfg, refs, run, starts, log)
             producer = rollout_producer.submit(cfg, refs)
             try:
-                states = _run_adapters(cfg, refs, run, log)
+                states = _run_adapters(cfg, refs, run, starts, log)
             finally:  # the producer stops before the run's slots go
                 run.stop_producer()
                 producer.wait(timeout=120)
         if stop_requested():
-            raise RunStopped(f"multi-LoRA run {refs.run_id} stopped, as asked; no checkpoint (multi-LoRA runs cannot "
-                             "be resumed yet)", refs.run_id)
+            raise _run_stopped(cfg, refs, run)
         run.check_producer()  # a dead producer fails the run with its own error
         summary = _summary(cfg, refs, run, before, time.perf_counter() - t_start)
+        summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)
         run.finish(summary)
         run.layout.write_text("adapters.md", _report(cfg, summary))
         create_markdown_artifact(_report(cfg, summary), key=None, description=f"{cfg.name}: multi-LoRA summary")
@@ -118,24 +143,37 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
         close_multi_lora_run(refs)
 
 
-def _refuse_resume(run) -> None:
-    done = [n for n, s in run.adapters.items() if s.history.has_steps()]
-    if done:
-        raise RuntimeError(
-            f"run {run.refs.run_id} already has training steps for adapters {', '.join(done)}; multi-LoRA runs "
-            "cannot be resumed yet: use a new run id"
-        )
+def _before_training(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], log) -> dict[str, Any] | None:
+    """The base model's evaluation: run now on a fresh run; a resumed run takes it from its history."""
+    if any(starts.values()):
+        return next((e for e in run.history.eval_rows if e["step"] == 0), None)
+    if cfg.eval.skip_eval_before_train:
+        return None
+    before = evaluate_base(cfg, refs)
+    log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
+    return before
 
 
-def _run_adapters(cfg: RunConfig, refs: RunRefs, run, log) -> dict:
+def _run_stopped(cfg: RunConfig, refs: RunRefs, run) -> RunStopped:
+    """What a stopped run says: where each adapter resumes from (its newest checkpoint)."""
+    text = f"multi-LoRA run {refs.run_id} stopped, as asked"
+    if cfg.checkpoint.save_interval is None:
+        return RunStopped(f"{text}; no checkpoint (set --save-interval N to make a run resumable)", refs.run_id)
+    saved = {n: (s.layout.checkpoints() or [0])[-1] for n, s in run.adapters.items()}
+    text += "; the adapters' checkpoints are at steps " + ", ".join(f"{n} {k}" for n, k in saved.items())
+    return RunStopped(text, refs.run_id, min(saved.values()) if any(saved.values()) else None)
+
+
+def _run_adapters(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], log) -> dict:
     """Every adapter's subflow at once, each on its own thread (Prefect subflows of this run); an
     adapter that finishes or fails leaves the producer's back-pressure at once."""
 
     def one(name: str):
-        state = adapter_update(cfg, refs, name, return_state=True)
+        state = adapter_update(cfg, refs, name, starts.get(name, 0), return_state=True)
         error = None if state.is_completed() else (state.message or state.type.value)
         if error:
-            log.error("adapter %s failed: %s", name, error)
+            (log.warning if stop_requested() else log.error)("adapter %s %s: %s", name,
+                                                             "stopped" if stop_requested() else "failed", error)
         run.mark_finished(name, error)
         return state
 
@@ -147,8 +185,8 @@ def _run_adapters(cfg: RunConfig, refs: RunRefs, run, log) -> dict:
 
 def _summary(cfg: RunConfig, refs: RunRefs, run, before, seconds: float) -> dict[str, Any]:
     adapters = [adapter_summary(run.adapters[n], before, run.finished.get(n)) for n in run.names]
-    producer = run.layout.read_json("state/producer.json") or {}
-    stats = producer.get("stats", {})
+    states = [run.layout.read_json(f"state/producer-{p}.json") or {} for p in run.producer_names()]
+    stats = [state.get("stats", {}) for state in states]  # every start's producer
     return {
         "run_id": refs.run_id,
         "run_dir": refs.run_dir,
@@ -157,8 +195,8 @@ def _summary(cfg: RunConfig, refs: RunRefs, run, before, seconds: float) -> dict
         "accuracy_before": before["accuracy"] if before else None,
         "adapters": adapters,
         "failed_adapters": sorted(run.failed),
-        "groups_generated": stats.get("groups_written"),
-        "samples_generated": stats.get("samples_finished"),
+        "groups_generated": sum(s.get("groups_written", 0) for s in stats),
+        "samples_generated": sum(s.get("samples_finished", 0) for s in stats),
         "seconds": round(seconds, 1),
     }
 
@@ -215,6 +253,7 @@ def _report(cfg: RunConfig, summary: dict[str, Any]) -> str:
         "",
         f"- failed adapters: {', '.join(summary['failed_adapters']) or 'none'}",
         f"- groups generated (shared by all adapters): {summary['groups_generated']}",
+        f"- prompt ledgers (`miles audit`): {audit_line(summary['audit'])}",
         f"- run folder: `{summary['run_dir']}` (each adapter under `adapters/<name>/`)",
         f"- wall time: {summary['seconds']} s",
     ])

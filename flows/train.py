@@ -44,9 +44,11 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run
 from miles_core.config import RunConfig
+from miles_core.ledger import audit_at_end, audit_line
 from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, TrainRef, check_lease, checkpoint_due, close_session, get_session
 from miles_core.stopping import RunStopped, stop_requested
@@ -64,6 +66,11 @@ from tasks.train import (
     train_step,
 )
 
+
+PROGRESS_EVERY_S = 2.0
+"""The progress artifact is updated after a step at most this often (and after the last step): each
+update is an API write (about 12 ms of the server's CPU, measured on a flow that did nothing else),
+and a toy step takes 0.4 s."""
 
 REWARD_ERRORS = "_reward_errors"
 """The step's first reward failures, handed from a mode's steps to the flow's log (not recorded)."""
@@ -114,6 +121,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                      start + 1, total)
         progress = create_progress_artifact(100.0 * start / total, key=None,
                                             description=f"{cfg.name}: steps done out of {total}")
+        progress_at = time.monotonic()
         steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
             before = _before_training(cfg, refs, session, start, log)
@@ -133,13 +141,15 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                 "; ".join(reward_errors))
                 if "eval_accuracy" in row:
                     log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
-                update_progress_artifact(progress, 100.0 * (step + 1) / total)
+                if step + 1 == total or time.monotonic() - progress_at >= PROGRESS_EVERY_S:
+                    update_progress_artifact(progress, 100.0 * (step + 1) / total)
+                    progress_at = time.monotonic()
                 check_lease(refs)  # another trainer took this run over (after this one stalled): stop
                 if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
                     raise _stopped(cfg, refs, session, step + 1, r)
         after = session.history.eval_rows[-1] if session.history.eval_rows else None
         summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
-        summary["audit"] = _audit(refs, cfg, log)
+        summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)
         session.finish(summary)
         _publish_artifacts(cfg, summary, session)
         return summary
@@ -168,11 +178,12 @@ def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | 
 
 def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
     """rollout k -> train k -> push weights k."""
+    c = quote(cfg)  # the tasks' config, not introspected by Prefect on every call (it holds no futures)
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
-        r = rollout(cfg, refs, step)
-        t = train_step(cfg, refs, r)
-        push_s = push_weights(cfg, refs, t)
+        r = rollout(c, refs, step)
+        t = train_step(c, refs, r)
+        push_s = push_weights(c, refs, t)
         row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s, REWARD_ERRORS: r.reward_errors}
         row["step_seconds"] = time.perf_counter() - t0
         row["trainer_wait_seconds"] = r.metrics["rollout_seconds"]
@@ -186,7 +197,8 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
     total, interval = cfg.rollout.num_rollout, cfg.async_rollout.update_weights_interval
     if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
         _load_version(cfg, refs, session, _async_rollout_version(session, interval, start))
-    ahead = rollout.submit(cfg, refs, start)
+    c = quote(cfg)  # as in _sync_steps
+    ahead = rollout.submit(c, refs, start)
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -194,15 +206,15 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
             waited = time.perf_counter() - t0
             if step == start > 0 and step + 1 < total:
                 _load_version(cfg, refs, session, _async_rollout_version(session, interval, step + 1))
-            ahead = rollout.submit(cfg, refs, step + 1) if step + 1 < total else None
-            t = train_step(cfg, refs, r)
+            ahead = rollout.submit(c, refs, step + 1) if step + 1 < total else None
+            t = train_step(c, refs, r)
             push_s = 0.0
             if (step + 1) % interval == 0 or step + 1 == total:
                 t_wait = time.perf_counter()
                 if ahead is not None:  # no training rollout in flight while the weights change
                     ahead.wait()
                 waited += time.perf_counter() - t_wait
-                push_s = push_weights(cfg, refs, t)
+                push_s = push_weights(c, refs, t)
             row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s,
                    REWARD_ERRORS: r.reward_errors}
             row["step_seconds"] = time.perf_counter() - t0
@@ -219,10 +231,11 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     each ``train-k`` takes the next ``rollout_batch_size`` trainable groups from the producers'
     streams. Producers load new versions themselves; ``stop-producers`` ends them."""
     launch_producers(cfg, refs)
+    c = quote(cfg)  # as in _sync_steps
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         try:
-            t = train_from_stream(cfg, refs, step)
+            t = train_from_stream(c, refs, step)
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
             raise _stopped(cfg, refs, session, step, None) from None
         row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
@@ -323,21 +336,6 @@ def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str
     return before
 
 
-def _audit(refs: RunRefs, cfg: RunConfig, log) -> dict[str, Any]:
-    """The run's prompt ledger, audited (``miles audit``); problems are logged as errors."""
-    from miles_core.ledger import audit, format_audit
-
-    try:
-        result = audit(refs.run_dir, cfg.storage.storage_options, finished=True)
-    except Exception as e:  # noqa: BLE001 (the run trained: an audit that cannot be read must not fail it)
-        log.error("the prompt ledger could not be audited (run `miles audit %s` again): %s: %s", refs.run_dir,
-                  type(e).__name__, e)
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "counts": {}, "tokens": {}, "problems": [],
-                "num_problems": 0}
-    (log.info if result.ok else log.error)(format_audit(result))
-    return result.to_json()
-
-
 def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any]:
     return {
         "run_id": refs.run_id,
@@ -380,19 +378,9 @@ def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None
         f"- samples: {_link(summary['samples'])}",
         f"- weights: {_link(summary['weights'])} (latest version {summary['final_version']})",
         f"- wall time: {summary['seconds']} s",
-        f"- prompt ledger (`miles audit`): {_audit_line(summary['audit'])}",
+        f"- prompt ledger (`miles audit`): {audit_line(summary['audit'])}",
     ])
     create_markdown_artifact(md, key=None, description=f"{cfg.name} summary")
-
-
-def _audit_line(a: dict[str, Any]) -> str:
-    t = a["tokens"]
-    counts = ", ".join(f"{n} {name}" for name, n in a["counts"].items())
-    if "error" in a:
-        return f"**not audited**: {a['error']}"
-    head = "OK" if a["ok"] else f"**{a['num_problems']} problem(s)**: {'; '.join(a['problems'][:3])}"
-    return (f"{head}; {counts}; tokens generated {t.get('generated', 0)} = trained {t.get('trained', 0)} + "
-            f"rejected {t.get('rejected', 0)} + abandoned {t.get('abandoned', 0)}")
 
 
 def _link(url: str) -> str:

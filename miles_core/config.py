@@ -146,7 +146,9 @@ class FileDataConfig(_Base):
     metadata_keys: list[str] = Field(default_factory=list)
     """Extra row fields copied into each sample's metadata."""
     apply_chat_template: bool = False
-    """Wrap the prompt as one user message and render it with the tokenizer's chat template."""
+    """Wrap the prompt as one user message and render it with the tokenizer's chat template. The
+    rendered text is tokenized without adding special tokens (the template writes them); without a
+    chat template the tokenizer adds its own (a ``<bos>`` where its post-processor puts one)."""
     prompt_template: str = "{prompt}"
     """Python format string applied to the prompt text before tokenizing (``{prompt}`` is the text)."""
     storage_options: StorageOptions = Field(default_factory=dict)
@@ -571,7 +573,11 @@ class TrainConfig(_Base):
     """KL estimator of both KL terms (Schulman's k1, k2, k3; ``--kl-loss-type``)."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where the PPO ratio's denominator comes from: a forward pass of the trainer's weights before
-    the update, or the logprobs the rollout engine reported."""
+    the update, or the logprobs the rollout engine reported. With ``recompute`` and a batch trained
+    in one optimizer step, no KL penalty in the reward, no ``use_tis`` and no dropout, the
+    denominator is the loss pass's own logprobs, detached (the ratio exactly 1), at one forward
+    pass less: what a separate no-grad pass gives up to rounding (on CPU in fp32, the same update
+    bit for bit)."""
     use_tis: bool = False
     """Rollout correction: weight each token's policy-gradient loss by the importance ratio
     rho = exp(old_logprob - rollout_logprob) of the recomputed logprobs over the engine's, bounded
@@ -969,7 +975,8 @@ class RunConfig(_Base):
     multi_lora: MultiLoraConfig | None = None
     """Train several LoRA adapters over one rollout stream (``miles train-multi-lora``; None: one policy).
     Such a run is always fully async (``mode`` does not apply); ``checkpoint.save_interval`` saves
-    each adapter's trainer under ``adapters/<name>/checkpoints`` (resuming is not supported yet)."""
+    each adapter (its trainer and its cursors) under ``adapters/<name>/checkpoints``, and the same
+    run id resumes every adapter from its own."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -1015,6 +1022,13 @@ class RunConfig(_Base):
         if self.rollout.rollout_function_path:
             raise ValueError("multi_lora runs generate with the fully-async producer: rollout.rollout_function_path "
                              "does not apply (use rollout.custom_generate_function_path)")
+        ml = self.multi_lora
+        if ml.rollout_source == "shared" and len(ml.names) > 1 and self.async_rollout.unused_samples_handler == "retry":
+            raise ValueError(
+                "async_rollout.unused_samples_handler = 'retry' does not apply to shared multi-LoRA rollouts: a group "
+                "one adapter rejects as stale would be generated again for every adapter, and the others, which "
+                "trained it, would train its prompt twice; use 'drop' (the default) or rollout_source = 'per_adapter'"
+            )
         self.adapter_configs()  # every adapter's overrides make a valid config
 
     def adapter_configs(self) -> dict[str, RunConfig]:
@@ -1026,7 +1040,7 @@ class RunConfig(_Base):
         assert self.multi_lora is not None and self.lora is not None
         base = self.model_dump()
         base.update(mode="fully_async", multi_lora=None)
-        # the multi-LoRA run saves each adapter's trainer itself (resuming one is not supported)
+        # the multi-LoRA run saves and resumes each adapter itself (flows/multi_lora.py)
         base["checkpoint"] = {**base["checkpoint"], "save_interval": None}
         configs = {}
         for spec in self.multi_lora.specs:

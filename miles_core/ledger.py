@@ -7,7 +7,8 @@ Two records, both in the run folder, neither reconstructed from logs:
   write their entries again).
 - a fully-async run's prompt log (``fleet/claims/``, see ``rollout/fleet.py``): every prompt drawn
   (a claim), every prompt given back to the pool and why (a producer that stopped or died, a group
-  the trainer recycled), and every group a producer's dynamic filter dropped.
+  the trainer recycled), every group a producer's dynamic filter dropped, and every partial group a
+  producer of a later start took over (adopt).
 
 ``audit(run_dir)`` follows each prompt drawn (an *instance*: a fresh draw of the data order; a
 prompt given back and claimed again is the same instance) through the groups it became and says
@@ -19,7 +20,13 @@ response tokens written to the streams: generated = trained + rejected + abandon
 
 A sync or async run has no prompt log: its audit checks that every step has its entry, that no
 group was trained twice, and the same balance over the segments the steps read (segments of redone
-steps count as discarded by the resume).
+steps count as discarded by the resume); and, from the prompt cursor each entry records, that every
+step trained exactly the prompts its rollout drew and no prompt was trained twice in one epoch.
+
+A multi-LoRA run has one prompt log and one ledger per adapter (``adapters/<name>/ledger/``): each
+adapter is audited like a fully-async run's trainer, over its own cursors, for the groups that are
+its own (every group with shared rollouts; with per-adapter rollouts, the groups it generated,
+by each sample's ``adapter``; the others' outcome for it is "another adapter's").
 """
 
 from __future__ import annotations
@@ -53,14 +60,17 @@ def rejection(r: Rejected, handled: str) -> list:
 
 
 def write_step(layout: RunLayout, step: int, version: int, trained: list[Group], rejected: list[list] = (),
-               segment: int | None = None) -> None:
+               segment: int | None = None, cursor: dict[str, Any] | None = None) -> None:
     """The ledger entry of training step ``step`` (1-based): the groups it trained, the groups
-    rejected since the last entry (``rejection`` rows), and the segment a sync step read."""
+    rejected since the last entry (``rejection`` rows); a sync or async step: the segment it read
+    and the prompt cursor after its rollout drew (``DataSource.state()``: epoch, position, rows)."""
     entry = {
         "step": step, "version": version, "segment": segment,
         "trained": [[g.group_index, g.samples[0].prompt_index, _tokens(g)] for g in trained],
         "rejected": list(rejected),
     }
+    if cursor:
+        entry["cursor"] = {k: cursor[k] for k in ("epoch", "position", "num_rows", "retry") if k in cursor}
     layout.write_json(_entry_name(step), entry)
 
 
@@ -93,6 +103,8 @@ class Audit:
     tokens: Counter = field(default_factory=Counter)
     """Response tokens: generated, trained, rejected, abandoned."""
     problems: list[str] = field(default_factory=list)
+    adapters: dict[str, Audit] = field(default_factory=dict)
+    """A multi-LoRA run: each adapter's own audit (its problems are also the run's, named)."""
 
     @property
     def ok(self) -> bool:
@@ -100,9 +112,12 @@ class Audit:
 
     def to_json(self) -> dict[str, Any]:
         balance = self.tokens["generated"] - self.tokens["trained"] - self.tokens["rejected"] - self.tokens["abandoned"]
-        return {"ok": self.ok, "mode": self.mode, "steps": self.steps, "counts": dict(sorted(self.counts.items())),
-                "tokens": dict(self.tokens), "token_balance": balance, "problems": self.problems[:50],
-                "num_problems": len(self.problems)}
+        out = {"ok": self.ok, "mode": self.mode, "steps": self.steps, "counts": dict(sorted(self.counts.items())),
+               "tokens": dict(self.tokens), "token_balance": balance, "problems": self.problems[:50],
+               "num_problems": len(self.problems)}
+        if self.adapters:
+            out["adapters"] = {name: a.to_json() for name, a in self.adapters.items()}
+        return out
 
 
 def audit(run_dir: str, storage_options: dict[str, Any] | None = None, finished: bool | None = None) -> Audit:
@@ -115,15 +130,32 @@ def audit(run_dir: str, storage_options: dict[str, Any] | None = None, finished:
                                 "e.g. runs/<name>/<run id>")
     if finished is None:
         finished = fs.exists(join(root, "summary.json"))
-    entries = [_read_json(fs, join(root, LEDGER, f"step-{k:06d}.json")) for k in _steps_in(fs, join(root, LEDGER))]
+    config = _read_json(fs, join(root, "config.json"))
+    multi_lora = config.get("multi_lora")
+    if multi_lora:
+        return _audit_multi_lora(run_dir, storage_options, fs, root, multi_lora, finished)
+    entries = _entries(fs, root)
     if fs.exists(join(root, "fleet", "claims")):
         result = _audit_fleet(run_dir, storage_options, entries, finished)
     else:
         result = _audit_steps(run_dir, storage_options, entries)
+        if not (config.get("rollout") or {}).get("rollout_function_path"):  # ours draw exactly one batch a step
+            _audit_epochs(result, entries)
+    _check_entries(result, entries, fs, root)
+    return result
+
+
+def _entries(fs, folder: str) -> list[dict[str, Any]]:
+    """The ledger entries under ``folder`` (a run's, or a multi-LoRA adapter's), by step."""
+    return [_read_json(fs, join(folder, LEDGER, f"step-{k:06d}.json")) for k in _steps_in(fs, join(folder, LEDGER))]
+
+
+def _check_entries(result: Audit, entries: list[dict[str, Any]], fs, folder: str) -> None:
+    """Every step once, in order, and the token balance."""
     steps = [e["step"] for e in entries]
     result.steps = len(steps)
-    if not steps and read_bytes(fs, join(root, "metrics.jsonl")):
-        raise ValueError(f"{run_dir} has training steps but no prompt ledger (ledger/): it was trained by a version "
+    if not steps and read_bytes(fs, join(folder, "metrics.jsonl")):
+        raise ValueError(f"{folder} has training steps but no prompt ledger (ledger/): it was trained by a version "
                          "that did not write one, so it cannot be audited")
     if steps != list(range(1, len(steps) + 1)):
         result.problems.append(f"ledger steps are not 1..{len(steps)}: {steps[:20]}")
@@ -132,6 +164,27 @@ def audit(run_dir: str, storage_options: dict[str, Any] | None = None, finished:
         result.problems.append(f"token balance off by {balance}: generated {result.tokens['generated']} != trained "
                                f"{result.tokens['trained']} + rejected {result.tokens['rejected']} + abandoned "
                                f"{result.tokens['abandoned']}")
+
+
+def _audit_multi_lora(run_dir: str, options, fs, root: str, raw: dict[str, Any], finished: bool) -> Audit:
+    """Each adapter of a multi-LoRA run audited over the run's prompt log and its own ledger."""
+    from miles_core.config import MultiLoraConfig
+
+    ml = MultiLoraConfig.model_validate(raw)
+    names = ml.names
+    result = Audit(run_dir, "multi_lora")
+    for name in names:
+        folder = join(root, "adapters", name)
+        mine = name if ml.rollout_source == "per_adapter" else None  # each group is generated by the adapter it is for
+        entries = _entries(fs, folder)
+        reader = f"adapter-{name}"  # its cursors' name (multi_lora.adapter_reader)
+        a = _audit_fleet(run_dir, options, entries, finished, reader=reader, mine=mine)
+        _check_entries(a, entries, fs, folder)
+        result.adapters[name] = a
+        result.problems += [f"adapter {name}: {p}" for p in a.problems]
+        result.steps += a.steps
+        result.tokens.update(a.tokens)
+        result.counts.update({f"{name}: {k}": n for k, n in a.counts.items()})
     return result
 
 
@@ -160,16 +213,17 @@ def _trained_by_group(entries: list[dict[str, Any]], result: Audit) -> tuple[dic
     return trained, rejected
 
 
-def _segments(stream) -> dict[int, list[tuple[int, int, int]]]:
-    """Offset -> (group index, prompt row, response tokens) of each group in ``stream`` (a ``SampleStream``)."""
-    out: dict[int, list[tuple[int, int, int]]] = {}
+def _segments(stream) -> dict[int, list[tuple[int, int, int, str | None]]]:
+    """Offset -> (group index, prompt row, response tokens, adapter) of each group in ``stream`` (a ``SampleStream``)."""
+    out: dict[int, list[tuple[int, int, int, str | None]]] = {}
     for segment in stream.read():
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list] = {}
         t = segment.table
-        for gi, row, resp in zip(t.column("group_index").to_pylist(), t.column("prompt_index").to_pylist(),
-                                 t.column("response_ids").to_pylist()):
-            groups.setdefault(gi, [row, 0])[1] += len(resp)
-        out[segment.offset] = [(gi, row, tokens) for gi, (row, tokens) in groups.items()]
+        adapters = t.column("adapter").to_pylist() if "adapter" in t.column_names else [None] * t.num_rows
+        for gi, row, resp, adapter in zip(t.column("group_index").to_pylist(), t.column("prompt_index").to_pylist(),
+                                          t.column("response_ids").to_pylist(), adapters):
+            groups.setdefault(gi, [row, 0, adapter])[1] += len(resp)
+        out[segment.offset] = [(gi, row, tokens, adapter) for gi, (row, tokens, adapter) in groups.items()]
     return out
 
 
@@ -181,7 +235,7 @@ def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
     segments = _segments(SampleStream(run_dir, storage_options=options))
     read = {e["segment"]: e for e in entries if e.get("segment") is not None}
     for offset, groups in segments.items():
-        for gi, _row, tokens in groups:
+        for gi, _row, tokens, _adapter in groups:
             result.tokens["generated"] += tokens
             if offset not in read:
                 result.counts["discarded (a step redone after a resume)"] += 1
@@ -197,7 +251,42 @@ def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
     return result
 
 
-def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished: bool) -> Audit:
+def _audit_epochs(result: Audit, entries: list[dict[str, Any]]) -> None:
+    """A sync or async run's prompts, epoch by epoch: each step trained exactly the prompts its
+    rollout drew (the cursor moved by as many rows as it trained), and no prompt twice in an
+    epoch, so every epoch the cursor finished had each prompt once. Steps drawn from a retry buffer
+    are not checked (its rows are outside the epoch order)."""
+    seen: dict[tuple[int, int], int] = {}  # (epoch, prompt row) -> the step that trained it
+    epoch, position = 0, 0
+    for e in entries:
+        cursor = e.get("cursor")
+        if cursor is None:  # written by a version without cursors: nothing to follow
+            return
+        rows = [row for _gi, row, _t in sorted(e["trained"])]  # by group index: the order they were drawn
+        n = int(cursor["num_rows"])
+        drawn = (int(cursor["epoch"]) - epoch) * n + int(cursor["position"]) - position
+        if cursor.get("retry") or e.get("rejected"):
+            epoch, position = int(cursor["epoch"]), int(cursor["position"])
+            continue
+        if drawn != len(rows):
+            result.problems.append(f"step {e['step']}: the prompt cursor moved by {drawn} prompts (to epoch "
+                                   f"{cursor['epoch']} position {cursor['position']}) but it trained {len(rows)}")
+        for row in rows:
+            if (epoch, row) in seen:
+                result.problems.append(f"prompt row {row} trained twice in epoch {epoch}: at steps "
+                                       f"{seen[(epoch, row)]} and {e['step']}")
+            seen[(epoch, row)] = e["step"]
+            position += 1
+            if position == n:
+                epoch, position = epoch + 1, 0
+        epoch, position = int(cursor["epoch"]), int(cursor["position"])
+    result.counts["epochs completed"] = epoch
+
+
+def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished: bool, reader: str = "trainer",
+                 mine=None) -> Audit:
+    """``reader``: the trainer's cursor name; ``mine``: the adapter whose groups that trainer
+    trains (the others' written groups are "another adapter's"; None: every group)."""
     from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
     from miles_core.storage import SampleStream
 
@@ -231,26 +320,35 @@ def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished:
         elif c.kind == "filtered":
             for gi in c.groups:
                 settled[gi] = f"filtered ({c.reason})"
+        elif c.kind == "adopt":  # a producer of a later start continues this partial group: its stream has it
+            for gi in c.groups:
+                claimed_by[gi] = c.producer or ""
 
     control = ControlPlane(run_dir, options)
     written: dict[int, tuple[int, bool]] = {}  # group index -> (tokens, at or below the trainer's cursor)
     partial: set[int] = set()
+    others: set[int] = set()  # written, by another adapter (per-adapter rollouts)
     base = SampleStream(run_dir, storage_options=options)
     for producer in sorted(set(claimed_by.values())):
         stream = base.sibling(stream_name(producer))
-        cursor, fence = stream.reader("trainer").cursor, control.fence_of(producer)
+        cursor, fence = stream.reader(reader).cursor, control.fence_of(producer)
         for offset, groups in _segments(stream).items():
             if fence is not None and offset > fence:
                 continue  # written after it was declared dead: never read, its prompts were given back
-            for gi, _row, tokens in groups:
+            for gi, _row, tokens, adapter in groups:
+                if mine is not None and adapter != mine:
+                    others.add(gi)
+                    continue
                 written[gi] = (tokens, offset <= cursor)
                 result.tokens["generated"] += tokens
         for groups in _segments(base.sibling(f"partial-{producer}")).values():
-            partial |= {gi for gi, _, _ in groups}
+            partial |= {gi for gi, *_ in groups}
 
     outcome_of: dict[int, list[str]] = {}
     for gi, inst in instance_of.items():
-        if gi in written:
+        if gi in others:
+            what = "another adapter's"
+        elif gi in written:
             tokens, passed = written[gi]
             if gi in trained:
                 what = "trained"
@@ -293,10 +391,38 @@ def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished:
     return result
 
 
+def audit_at_end(run_dir: str, storage_options: dict[str, Any] | None, log) -> dict[str, Any]:
+    """A finished run's audit for its summary (``Audit.to_json``), logged with ``log`` (problems
+    as errors). An audit that cannot be read is logged and returned as an error; it does not fail
+    the run, which trained."""
+    try:
+        result = audit(run_dir, storage_options, finished=True)
+    except Exception as e:  # noqa: BLE001 (the run trained: an audit that cannot be read must not fail it)
+        log.error("the prompt ledger could not be audited (run `miles audit %s` again): %s: %s", run_dir,
+                  type(e).__name__, e)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "counts": {}, "tokens": {}, "problems": [],
+                "num_problems": 0}
+    (log.info if result.ok else log.error)(format_audit(result))
+    return result.to_json()
+
+
+def audit_line(a: dict[str, Any]) -> str:
+    """An ``audit_at_end`` result in one markdown line (the summary artifact's)."""
+    if "error" in a:
+        return f"**not audited**: {a['error']}"
+    t = a["tokens"]
+    counts = ", ".join(f"{n} {name}" for name, n in a["counts"].items())
+    head = "OK" if a["ok"] else f"**{a['num_problems']} problem(s)**: {'; '.join(a['problems'][:3])}"
+    return (f"{head}; {counts}; tokens generated {t.get('generated', 0)} = trained {t.get('trained', 0)} + "
+            f"rejected {t.get('rejected', 0)} + abandoned {t.get('abandoned', 0)}")
+
+
 def format_audit(a: Audit) -> str:
     """What ``miles audit`` prints."""
     j = a.to_json()
-    lines = [f"audit of {a.run_dir}: {'OK' if a.ok else 'PROBLEMS'} ({j['steps']} steps in the ledger)"]
+    steps = (f"{j['steps']} steps in the ledger" if not a.adapters else
+             "steps in the adapters' ledgers: " + ", ".join(f"{n} {x.steps}" for n, x in a.adapters.items()))
+    lines = [f"audit of {a.run_dir}: {'OK' if a.ok else 'PROBLEMS'} ({steps})"]
     for name, n in j["counts"].items():
         lines.append(f"  {name:<52} {n:>8}")
     t = a.tokens

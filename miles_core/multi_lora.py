@@ -19,26 +19,46 @@
   Back-pressure counts from the slowest adapter still training (``live_cursor``): a slow adapter
   holds the others back by at most the buffer bound, and one that finished or failed no longer does.
 - ``mark_finished(name, error)``: an adapter leaves the run (done, or failed: the others go on).
+- Resuming: the producer takes its prompts from the run's prompt log (``fleet/claims/``, as a
+  fleet member does) under a name of its own per start (``m0``, ``m1``, ...), and writes its own
+  stream (``samples/rollout-m<k>/``). ``open_producers()`` settles the producers of earlier
+  starts (fenced at what they wrote; the partial groups they saved at a stop are continued by this
+  start's producer; what else they claimed and never wrote goes back to the pool), and
+  each adapter resumes from its own checkpoint (``AdapterSession.resume``: trainer, cursors on
+  every stream, the groups it had settled), so every adapter trains each prompt at most once, and
+  reads what earlier starts wrote and it had not trained yet.
 
 ``flows/multi_lora.py`` runs the producer as a task and each adapter as a subflow.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import asdict
 from typing import Any
 
 from miles_core.config import RunConfig
+from miles_core.rollout.fleet import (
+    ControlPlane,
+    FleetMonitor,
+    PromptLog,
+    recycle_to,
+    settle_earlier,
+    stream_name,
+    written_groups,
+)
 from miles_core.rollout.producer import ProducerMeter, RolloutProducer
-from miles_core.run import RunRegistry, release_lease
+from miles_core.run import FRESH_FEED, RunRegistry, release_lease
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
 from miles_core.session.parts import EngineLoop, RunFiles, built_once, load_weights
 from miles_core.session.refs import RunRefs
-from miles_core.session.rollouts import RolloutSide, SourcePrompts
+from miles_core.session.rollouts import RolloutSide
 from miles_core.session.training import TrainerSide
+
+log = logging.getLogger(__name__)
 
 
 def adapter_reader(name: str) -> str:
@@ -67,12 +87,15 @@ class AdapterSession:
         self.training = TrainerSide(
             self.cfg, self.refs, self.files, reader=adapter_reader(name),
             view=adapter_view(name) if per_adapter else shared_view(name), producer_check=run.check_producer,
-            producer_metrics=ProducerMeter(lambda: run.producer),
+            producer_metrics=ProducerMeter(lambda: run.producer), streams=run.streams, recycle=run.recycle,
+            fleet_dir=run.refs.run_dir,
         )
         self.history = RunHistory(layout)
         self.evals = Evaluator(self.cfg, self.refs, run.loop, self.files.weights, self.history,
                                lambda: run.rollouts.tokenizer)
         self.checkpoints = Checkpointer(self.cfg, self.refs, self.files)
+        self.resume_error: BaseException | None = None
+        """Why ``resume`` failed (its subflow raises it: the adapter fails alone)."""
 
     @built_once
     def engine(self):
@@ -96,8 +119,24 @@ class AdapterSession:
         """The adapter's current version on the held-out prompts, on the run's engine."""
         return self.evals.evaluate_on(self.engine, step)
 
-    def save_checkpoint(self, step: int, source_state: dict[str, Any]) -> str:
-        return self.checkpoints.save(step, self.training.trainer, source_state)
+    def save_checkpoint(self, step: int) -> str:
+        """Save the adapter after ``step`` steps: its trainer and its feed (cursors on every stream)."""
+        return self.checkpoints.save(step, self.training.trainer, None, self.training.feed_state())
+
+    def resume(self) -> int:
+        """Put the adapter back to its newest complete checkpoint (``Checkpointer.restore``: trainer,
+        weights, metrics, ledger) and its feed (``TrainerSide.restore_feed``), and load its version
+        into the engine; returns the step to go on from (0: from the start). Call it after the run's
+        ``open_producers``."""
+        restored = self.checkpoints.restore(self.training.trainer, self.history)
+        state = restored[1] if restored else {}
+        self.training.restore_feed(state.get("feed") or FRESH_FEED, self.run.producer_names())
+        if restored is None:
+            return 0
+        version = state["version"]
+        if version > 0:
+            self.push_weights(self.training.weights_uri(version), version)
+        return restored[0]
 
     def close(self) -> None:
         self.training.close()
@@ -117,6 +156,16 @@ class MultiLoraRun:
         self.evals = Evaluator(base, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
         self.producer: RolloutProducer | None = None
         self._producer_error: BaseException | None = None
+        opts, retry = cfg.storage.storage_options, self.files.layout.retry
+        self.control = ControlPlane(refs.run_dir, opts, retry=retry)
+        self.producer_id = "m0"
+        """This start's producer (``open_producers`` names it after the earlier starts')."""
+        self.earlier: dict[str, int] = {}
+        """The producers of earlier starts of the run, each with its fence (the last offset read)."""
+        self._streams: dict[str, Any] = {}
+        self._recycle_log = PromptLog(refs.run_dir, opts, retry=retry)
+        self._recycle_lock = threading.Lock()
+        self._stop_asked = threading.Event()
         self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in cfg.adapter_configs().items()}
         self._lock = threading.Lock()
         self.finished: dict[str, str | None] = {}
@@ -140,21 +189,60 @@ class MultiLoraRun:
 
     # -- the producer
 
-    def live_cursor(self) -> int:
-        """Back-pressure: the cursor of the slowest adapter still training (all gone: the furthest)."""
+    @built_once
+    def prompt_log(self) -> PromptLog:
+        """The run's prompt log, which this run's producer claims its prompts from."""
+        return PromptLog(self.refs.run_dir, self.cfg.storage.storage_options, draw=self.rollouts.source.draw,
+                         retry=self.files.layout.retry)
+
+    def open_producers(self) -> tuple[int, int]:
+        """Before any adapter reads: settle the producers of earlier starts of this run
+        (``fleet.settle_earlier``: fenced at what their streams hold, their saved partial groups
+        adopted by this start's producer, the rest of what they claimed and never wrote given back)
+        and name this start's producer after them. Returns (prompts given back, partial groups adopted)."""
+        earlier = {c.producer for c in self.prompt_log.entries() if c.producer and _start_of(c.producer) is not None}
+        self.producer_id = f"m{max(map(_start_of, earlier), default=-1) + 1}"
+        monitor = FleetMonitor(self.control, self.prompt_log, lambda p, last: written_groups(self.stream_of(p), last),
+                               heartbeat_timeout_s=float("inf"))
+        settled = settle_earlier(monitor, self.files.stream, sorted(earlier, key=_start_of), self.producer_id)
+        self.earlier = dict(monitor.fences)
+        return settled
+
+    def producer_names(self) -> list[str]:
+        return sorted(self.earlier, key=_start_of) + [self.producer_id]
+
+    def stream_of(self, producer: str):
+        if producer not in self._streams:
+            self._streams[producer] = self.files.stream.sibling(stream_name(producer))
+        return self._streams[producer]
+
+    def streams(self) -> list[tuple[Any, int | None]]:
+        """What every adapter reads: the earlier starts' streams up to their fences, then this one's."""
+        return [(self.stream_of(p), self.earlier.get(p)) for p in self.producer_names()]
+
+    def recycle(self, groups) -> None:
+        """Prompts of groups an adapter rejected (``unused_samples_handler = "retry"``) back to the pool."""
+        with self._recycle_lock:  # the adapters' threads share one log reader
+            recycle_to(self._recycle_log, groups)
+
+    def live_cursor(self) -> tuple[int, int]:
+        """Back-pressure: on this start's stream, the progress (cursor, groups used after it) of the
+        slowest adapter still training (all gone: the furthest)."""
         with self._lock:
             live = [n for n in self.names if n not in self.finished]
-        cursors = [self.files.stream.reader(adapter_reader(n)).cursor for n in live or self.names]
-        return min(cursors) if live else max(cursors)
+        stream = self.stream_of(self.producer_id)
+        progress = [stream.reader(adapter_reader(n)).progress() for n in live or self.names]
+        return min(progress) if live else max(progress)
 
     def version_stamp(self) -> dict[str, int]:
         """Every adapter's version now (stamped on the samples of a group when it starts)."""
         return {name: session.engine.weight_version for name, session in self.adapters.items()}
 
     def build_producer(self) -> RolloutProducer:
-        """The run's producer: one route per generating policy, no weight polling (each adapter
-        pushes its own versions), back-pressure from ``live_cursor``."""
+        """The run's producer: prompts claimed from the prompt log, one route per generating policy,
+        no weight polling (each adapter pushes its own versions), back-pressure from ``live_cursor``."""
         from miles_core.rollout.producer import PolicyRoute
+        from miles_core.rollout.worker import ClaimedPrompts
 
         ml = self.cfg.multi_lora
         if ml.rollout_source == "per_adapter":
@@ -171,27 +259,41 @@ class MultiLoraRun:
             capacity = max(round(a.buffer_capacity_factor * batch * n), n * (batch + a.segment_max_groups))
         else:
             capacity = max(1, round(a.buffer_capacity_factor * batch))
+        self.prompts = ClaimedPrompts(self.prompt_log, self.producer_id, self.rollouts.render_rows,
+                                      a.prompt_claim_size)
+        pid = self.producer_id
         self.producer = self.rollouts.producer(
-            SourcePrompts(self.rollouts), self.files.stream, None, consumer=self.live_cursor, routes=routes,
-            capacity=capacity, version_stamp=self.version_stamp if ml.rollout_source == "shared" else None,
+            self.prompts, self.stream_of(pid), None, consumer=self.live_cursor, routes=routes, capacity=capacity,
+            version_stamp=self.version_stamp if ml.rollout_source == "shared" else None,
+            state_file=f"state/producer-{pid}.json", partial_stream=f"partial-{pid}",
         )
         return self.producer
 
     def run_producer(self) -> dict[str, Any]:
         """Run the producer until ``stop_producer``; its exception is kept for ``check_producer``."""
         producer = self.producer or self.build_producer()
+        if self._stop_asked.is_set():  # every adapter was done before the producer got going
+            producer.request_stop()
         try:
             return asdict(self.loop.run(producer.run()))
         except BaseException as e:
             self._producer_error = e
             raise
+        finally:  # what it claimed and never started or finished goes back to the pool
+            try:
+                self.prompts.release_own({**self.prompts.unstarted(), **producer.abandoned_groups},
+                                         reason=f"producer {self.producer_id} stopped")
+            except Exception as e:  # noqa: BLE001 (the next start gives them back: it fences this producer)
+                log.warning("producer %s could not give back its unstarted prompts (%s: %s); the run's next start "
+                            "will", self.producer_id, type(e).__name__, e)
 
     def stop_producer(self) -> None:
+        self._stop_asked.set()  # before the check: a producer built after it sees the flag
         if self.producer is not None:
             self.producer.request_stop()
 
     def check_producer(self) -> None:
-        """Raise the producer's own exception if it died (every adapter's feed calls this as it waits)."""
+        """Raise the producer's own exception if it died (every adapter's feed calls this for every batch and as it waits)."""
         if self._producer_error is not None:
             raise self._producer_error
 
@@ -209,8 +311,8 @@ class MultiLoraRun:
             return {n: e for n, e in self.finished.items() if e is not None}
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """End the run's sample stream and write ``summary.json``."""
-        self.files.stream.close()
+        """End this start's sample stream and write ``summary.json``."""
+        self.stream_of(self.producer_id).close()
         self.layout.write_json("summary.json", summary)
 
     def close(self) -> None:
@@ -219,6 +321,11 @@ class MultiLoraRun:
         self.evals.close()
         self.rollouts.close()
         self.loop.close()
+
+
+def _start_of(producer: str) -> int | None:
+    """``k`` of a multi-LoRA run's producer ``m<k>`` (None: another kind of producer)."""
+    return int(producer[1:]) if producer[:1] == "m" and producer[1:].isdigit() else None
 
 
 _RUNS = RunRegistry(MultiLoraRun)

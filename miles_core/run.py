@@ -146,6 +146,8 @@ class RunSession:
         if self.cfg.mode == "fully_async":  # the streams' cursors go back with the trainer
             self.training.restore_feed((restored[1] if restored else {}).get("feed") or FRESH_FEED)
         if restored is None:
+            if is_built(self.rollouts, "source"):  # it read the prompt cursor of a first step that never finished
+                self.rollouts.source.load_state(self.rollouts.source.start_state())
             return None
         step, state = restored
         if is_built(self.rollouts, "source") and state["data_source"] is not None:

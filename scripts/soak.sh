@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The kill-and-resume soak, longer than CI's: a fully-async run SIGKILLed 10 times (whole process
+# The kill-and-resume soak, longer than CI's: a run of each mode SIGKILLed 10 times (whole process
 # session: trainer, producers, Prefect server) at random steps and resumed each time; after each
-# kill and at the end `miles audit` must find no prompt lost or trained twice, and every step is
-# in metrics.jsonl once. Set MILES_SOAK_KILLS (default 10) and MILES_SOAK_SEED to repeat a run;
+# kill and at the end `miles audit` must find no prompt lost or trained twice, every step is in
+# metrics.jsonl once, and sync and async runs end with an uninterrupted run's weights, bit for bit. Set MILES_SOAK_KILLS (default 10) and MILES_SOAK_SEED to repeat a run;
 # the seed and the steps of the kills are printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -50,5 +50,22 @@ def evaluate_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> dic
 
 @task(name="save-adapter-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-{name}-step-{step}")
 def save_adapter_checkpoint(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> str:
+    return get_multi_lora_run(cfg, refs).adapters[name].save_checkpoint(step)
+
+
+@task(name="resume-adapters", cache_policy=NO_CACHE, task_run_name="resume-adapters")
+def resume_adapters(cfg: RunConfig, refs: RunRefs) -> dict:
+    """Settle the producers of earlier starts of the run, then put every adapter back to its newest
+    checkpoint: ``{"steps": {name: step to go on from}, "returned": prompts given back to the pool,
+    "adopted": partial groups this start's producer continues}``.
+    An adapter that cannot be built or restored keeps its error for its subflow (it fails alone)."""
     run = get_multi_lora_run(cfg, refs)
-    return run.adapters[name].save_checkpoint(step, run.rollouts.source.state())
+    returned, adopted = run.open_producers()
+    steps = {}
+    with device_slots(cfg, "train"):
+        for name, session in run.adapters.items():
+            try:
+                steps[name] = session.resume()
+            except Exception as e:  # noqa: BLE001 (this adapter fails alone: its subflow raises it)
+                session.resume_error, steps[name] = e, 0
+    return {"steps": steps, "returned": returned, "adopted": adopted}

@@ -102,6 +102,11 @@ class DataSource:
             "shuffle": self.shuffle,
         }
 
+    def start_state(self) -> dict[str, Any]:
+        """The ``state()`` of this source before it served anything."""
+        return {"epoch": 0, "position": 0, "retry": [], "num_rows": len(self._rows), "seed": self.seed,
+                "shuffle": self.shuffle}
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from a ``state()``; errors if it was saved for a different dataset or order."""
         saved = (state["num_rows"], state["seed"], state["shuffle"])

@@ -4,8 +4,9 @@
 ``n`` trainable groups (sorted by group index), and deals with the rejected ones at once: dropped
 and counted, or (``unused_samples_handler = "retry"``) appended to the ``recycle`` stream, whose
 prompts the producer generates again. While it waits it logs a warning every ``no_progress_s``
-seconds, and it calls ``producer_check`` on every poll, which raises the producer's own exception
-if the producer died. ``commit()`` (after the train step) marks the batch's groups used. With ``read_ahead``, a
+seconds. It calls ``producer_check`` once per batch and on every poll while it waits: that raises
+the producer's own exception if the producer died, and lets a fleet replace a dead producer while
+the others still keep the trainer fed. ``commit()`` (after the train step) marks the batch's groups used. With ``read_ahead``, a
 background thread reads and decodes new segments while the trainer trains. The
 durable cursor moves only past segments whose every group was used (trained or rejected), so a
 restarted trainer sees again what it had not finished with; the producer's back-pressure counts
@@ -160,6 +161,7 @@ class GroupFeed:
         waited, warned_at, empty_polls = 0.0, t0, 0
         groups: list[Group] = []
         rejected: list[Rejected] = []
+        self.producer_check()
         while len(groups) < n:
             taken = self.buffer.take(n - len(groups), trainer_version)
             groups += taken.groups

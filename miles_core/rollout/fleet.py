@@ -68,6 +68,21 @@ def stream_name(producer: str) -> str:
     return f"rollout-{check_name('producer', producer)}"
 
 
+def last_offset(stream) -> int:
+    """The offset of the last whole segment of ``stream`` (a ``SampleStream``; -1: none)."""
+    offsets = stream.offsets()
+    return offsets[-1] if offsets else -1
+
+
+def written_groups(stream, last: int) -> set[int]:
+    """The group indices in ``stream``'s segments up to offset ``last``."""
+    written = set()
+    for offset in stream.offsets():
+        if offset <= last:
+            written |= set(stream.read_segment(offset).table.column("group_index").to_pylist())
+    return written
+
+
 class _Files:
     """Small JSON objects under ``<run>/fleet/``, every call retried on transient storage errors."""
 
@@ -138,7 +153,8 @@ class Claim:
 
     seq: int
     kind: str
-    """``claim`` (a producer takes rows) or ``release`` (rows go back to the pool)."""
+    """``claim`` (a producer takes rows), ``release`` (rows go back to the pool), ``filtered`` (a
+    group a producer's filter dropped) or ``adopt`` (a producer takes over another's partial groups)."""
     producer: str | None
     rows: list[int]
     """Prompt row indices (``PromptRow.index``), in order."""
@@ -152,6 +168,8 @@ class Claim:
     fenced: bool = False
     """A ``release`` of a producer declared dead: what it claimed and never wrote (its own later
     releases give back nothing more)."""
+    source: str = ""
+    """An ``adopt`` entry: the producer whose saved partial groups ``producer`` takes over."""
 
     @property
     def group_base(self) -> int:
@@ -163,13 +181,13 @@ class Claim:
     def to_json(self) -> dict[str, Any]:
         return {"seq": self.seq, "kind": self.kind, "producer": self.producer, "rows": self.rows,
                 "cursor": self.cursor, "pending": self.pending, "reason": self.reason, "groups": self.groups,
-                "fenced": self.fenced, "at": time.time()}
+                "fenced": self.fenced, "source": self.source, "at": time.time()}
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> Claim:
         return cls(obj["seq"], obj["kind"], obj["producer"], list(obj["rows"]), obj["cursor"],
                    list(obj["pending"]), obj.get("reason", ""), list(obj.get("groups", [])),
-                   bool(obj.get("fenced", False)))
+                   bool(obj.get("fenced", False)), obj.get("source", ""))
 
 
 Draw = Callable[[Any, int], tuple[list[int], Any]]
@@ -258,13 +276,51 @@ class PromptLog:
             for c in self._entries:
                 if c.producer == producer and c.kind in ("release", "filtered"):
                     done.update(c.groups)
-            groups = {c.group_index(i): row for c in self._entries if c.kind == "claim" and c.producer == producer
-                      for i, row in enumerate(c.rows) if c.group_index(i) not in done}
+            groups = {gi: row for gi, row in self.owned(producer).items() if gi not in done}
             release = self._release_entry(last, list(groups.values()), list(groups), reason, producer)
             release.fenced = True
             return release
 
         return self._append(entry)
+
+    def owned(self, producer: str) -> dict[int, int]:
+        """Group index -> row of every prompt ``producer`` took: its claims and what it adopted,
+        less what others adopted from it (of the entries read so far)."""
+        owned: dict[int, int] = {}
+        for c in self._entries:
+            if c.kind == "claim" and c.producer == producer:
+                owned.update((c.group_index(i), row) for i, row in enumerate(c.rows))
+            elif c.kind == "adopt" and c.producer == producer:
+                owned.update(zip(c.groups, c.rows))
+            elif c.kind == "adopt" and c.source == producer:
+                for gi in c.groups:
+                    owned.pop(gi, None)
+        return owned
+
+    def adoptable(self, producer: str, partial: set[int], written: set[int]) -> dict[int, int]:
+        """Of the groups in fenced ``producer``'s partial stream (``partial``), those it still owns,
+        did not write and did not give back: a new producer may continue them (``adopt``)."""
+        self.entries()
+        settled = set(written)
+        for c in self._entries:
+            if c.producer == producer and c.kind in ("release", "filtered"):
+                settled.update(c.groups)
+        return {gi: row for gi, row in self.owned(producer).items() if gi in partial and gi not in settled}
+
+    def adopt(self, producer: str, groups: dict[int, int], source: str) -> Claim | None:
+        """``producer`` takes over ``source``'s saved partial groups (group index -> row), to continue
+        them under their own group indices; from now on they are its own (its fence gives them back)."""
+
+        def entry(last: Claim | None) -> Claim:
+            seq = last.seq + 1 if last is not None else 0
+            cursor = last.cursor if last is not None else self.start_cursor
+            return Claim(seq, "adopt", producer, list(groups.values()), cursor, list(last.pending) if last else [],
+                         f"partial groups of producer {source}", list(groups), source=source)
+
+        return self._append(entry) if groups else None
+
+    def adopted_by(self, producer: str) -> list[Claim]:
+        return [c for c in self.entries() if c.kind == "adopt" and c.producer == producer]
 
     def filtered(self, producer: str, group: int, row: int, reason: str) -> Claim:
         """A group a producer's dynamic filter dropped: settled, not back in the pool (the audit
@@ -429,6 +485,34 @@ class ControlPlane:
         return self.files.url("")
 
 
+def recycle_to(log: PromptLog, groups) -> None:
+    """Prompts of groups the trainer rejected (``unused_samples_handler = "retry"``) back to the pool."""
+    log.release([g.samples[0].prompt_index for g in groups], reason=RECYCLED, groups=[g.group_index for g in groups])
+
+
+def settle_earlier(monitor: FleetMonitor, base_stream, producers: list[str], heir: str) -> tuple[int, int]:
+    """The producers of an earlier start of the run (stopped, or killed with it): fence each at what
+    its stream holds (the trainer reads it up to there), hand the partial groups it saved at a clean
+    stop to ``heir`` (``PromptLog.adopt``: the next producer continues them, keeping their group
+    indices and what was generated), and give back every other prompt it claimed and did not write
+    (in flight, queued). Returns (prompts given back, partial groups adopted). Safe to repeat after
+    a crash half-way: a fence stays, and partial groups not yet adopted are adopted next time."""
+    log, returned, adopted = monitor.log, 0, 0
+    log.entries()
+    for producer in producers:
+        stream = base_stream.sibling(stream_name(producer))
+        fence = monitor.fence_at(producer, last_offset(stream), "a producer of an earlier start of the run")
+        partial_stream = base_stream.sibling(f"partial-{producer}")
+        partial = written_groups(partial_stream, last_offset(partial_stream))
+        keep = log.adoptable(producer, partial, written_groups(stream, fence)) if partial else {}
+        dead = monitor.declare_dead(producer, "a producer of an earlier start of the run", fence, set(keep))
+        returned += dead.released
+        if keep:
+            log.adopt(heir, keep, source=producer)
+            adopted += len(keep)
+    return returned, adopted
+
+
 # ---------------------------------------------------------------------------------------- monitor
 
 
@@ -536,25 +620,32 @@ class FleetMonitor:
             return f"no heartbeat for {quiet:.1f} s (timeout {self.heartbeat_timeout_s:g} s)"
         return None
 
-    def declare_dead(self, producer: str, why: str, last_offset: int) -> _Watched:
-        """Watch ``producer`` as dead from now on (a producer of an earlier start of the run)."""
+    def declare_dead(self, producer: str, why: str, last_offset: int, keep: set[int] = frozenset()) -> _Watched:
+        """Watch ``producer`` as dead from now on (a producer of an earlier start of the run);
+        ``keep``: groups it claimed and did not write that are not given back (another producer
+        adopts them)."""
         self.watch(producer)
-        self._declare_dead(self.watched[producer], why, last_offset)
+        self._declare_dead(self.watched[producer], why, last_offset, keep)
         return self.watched[producer]
 
-    def _declare_dead(self, w: _Watched, why: str, last_offset: int) -> None:
+    def _declare_dead(self, w: _Watched, why: str, last_offset: int, keep: set[int] = frozenset()) -> None:
         """Fence it at what the trainer can see of its stream now (a fence written before stays:
         what it wrote after that was given back already), and release what it claimed and did not
         write there."""
         w.dead = why
-        fence = self.control.fence_of(w.producer)
-        if fence is None:
-            self.control.fence(w.producer, last_offset, why)
-            fence = last_offset
-        self.fences[w.producer] = fence
-        released = self.log.release_unwritten(w.producer, self.written(w.producer, fence),
+        fence = self.fence_at(w.producer, last_offset, why)
+        released = self.log.release_unwritten(w.producer, self.written(w.producer, fence) | set(keep),
                                               reason=f"producer {w.producer} died")
         w.released = len(released.rows) if released is not None else 0
+
+    def fence_at(self, producer: str, last_offset: int, why: str) -> int:
+        """``producer``'s fence: the one written before, else one at ``last_offset`` now."""
+        fence = self.control.fence_of(producer)
+        if fence is None:
+            self.control.fence(producer, last_offset, why)
+            fence = last_offset
+        self.fences[producer] = fence
+        return fence
 
     def describe(self, w: _Watched) -> str:
         """A dead producer, its reason and its last error with traceback (if it wrote one)."""

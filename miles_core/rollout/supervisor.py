@@ -3,7 +3,7 @@ through the run folder only (``rollout/fleet.py``) and a launcher.
 
 ``Fleet(cfg, refs, launcher)``:
 - ``start()`` launches ``rollout_producers`` producers (ids ``p0``, ``p1``, ...);
-- ``check()`` (the feed calls it on every poll) finds dead producers (``FleetMonitor``), fences
+- ``check()`` (the feed calls it for every batch and on every poll) finds dead producers (``FleetMonitor``), fences
   them, gives their claimed-but-unwritten prompts back to the pool, and launches a replacement,
   at most ``producer_restarts`` times over the run; one more death raises ``ProducerFailed``
   naming the producer and its last error with its traceback;
@@ -27,7 +27,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_core.rollout.fleet import RECYCLED, ControlPlane, FleetMonitor, ProducerFailed, PromptLog, stream_name
+from miles_core.rollout.fleet import (
+    ControlPlane,
+    FleetMonitor,
+    ProducerFailed,
+    PromptLog,
+    last_offset,
+    recycle_to,
+    settle_earlier,
+    stream_name,
+    written_groups,
+)
 from miles_core.types import Group
 
 if TYPE_CHECKING:
@@ -77,28 +87,25 @@ class Fleet:
         for holder in self.control.pause_holders():  # left by a run killed while it evaluated
             self.control.unpause(holder)
         earlier = self.control.heartbeats()
-        self._settle_earlier(earlier)
         known = [int(p[1:]) for p in earlier if p[:1] == "p" and p[1:].isdigit()]
         self._next = max(known, default=-1) + 1  # a run started again never reuses a producer's stream
+        self._settle_earlier(earlier)
         for _ in range(self.cfg.async_rollout.rollout_producers):
             self._launch()
         self._watching.set()
         threading.Thread(target=self._watch, name="fleet-monitor", daemon=True).start()
 
     def _settle_earlier(self, earlier: dict) -> None:
-        """The producers of an earlier start of this run (stopped, or killed with it): fence each
-        at what its stream holds (the trainer reads it up to there, from its cursor on) and give
-        back every prompt it claimed and did not write (in flight, queued, or saved as partial)."""
-        returned = 0
-        for producer in sorted(earlier):
-            with self._lock:
-                dead = self.monitor.declare_dead(producer, "a producer of an earlier start of the run",
-                                                 self._last_offset(producer))
-            returned += dead.released
-        if earlier:
-            self.warn(f"run {self.refs.run_id} was started before: the trainer reads what its producers "
-                      f"{sorted(earlier)} wrote and not yet trained; {returned} prompts they claimed and never "
-                      "wrote went back to the pool")
+        """The producers of an earlier start of this run (``fleet.settle_earlier``): fenced, their
+        partial groups adopted by the first producer launched now, the rest given back."""
+        if not earlier:
+            return
+        with self._lock:
+            returned, adopted = settle_earlier(self.monitor, self.base_stream, sorted(earlier), f"p{self._next}")
+        self.warn(f"run {self.refs.run_id} was started before: the trainer reads what its producers "
+                  f"{sorted(earlier)} wrote and not yet trained; {returned} prompts they claimed and never "
+                  f"wrote went back to the pool" + (f", and p{self._next} continues {adopted} partial groups they "
+                                                    "saved" if adopted else ""))
 
     def _launch(self) -> str:
         producer = f"p{self._next}"
@@ -131,7 +138,7 @@ class Fleet:
 
     def check(self) -> None:
         """Replace the producers found dead (or fail the run when no restart is left); raises what
-        broke the watcher thread. The trainer's feed calls it on every poll."""
+        broke the watcher thread. The trainer's feed calls it for every batch and on every poll."""
         if self._watch_error is not None:
             raise self._watch_error
         with self._lock:
@@ -198,19 +205,13 @@ class Fleet:
         return [(self.stream(p), fence) for p, fence in found]
 
     def recycle(self, groups: list[Group]) -> None:
-        self.log.release([g.samples[0].prompt_index for g in groups], reason=RECYCLED,
-                         groups=[g.group_index for g in groups])
+        recycle_to(self.log, groups)
 
     def _last_offset(self, producer: str) -> int:
-        offsets = self.stream(producer).offsets()
-        return offsets[-1] if offsets else -1
+        return last_offset(self.stream(producer))
 
-    def _written(self, producer: str, last_offset: int) -> set[int]:
-        stream, written = self.stream(producer), set()
-        for offset in stream.offsets():
-            if offset <= last_offset:
-                written |= set(stream.read_segment(offset).table.column("group_index").to_pylist())
-        return written
+    def _written(self, producer: str, last: int) -> set[int]:
+        return written_groups(self.stream(producer), last)
 
     # ------------------------------------------------------------------------------ pause
 

@@ -49,20 +49,23 @@ class ClaimedPrompts:
         self.log, self.producer, self.render, self.block = log, producer, render, block
         self._queue: deque[tuple[PromptItem, int]] = deque()
         self.claims = 0
+        self._lock = threading.Lock()  # the producer calls take and filtered from worker threads; one log
 
     def take(self) -> tuple[PromptItem, int]:
-        if not self._queue:
-            claim = self.log.claim(self.producer, self.block)
-            self.claims += 1
-            items = self.render(claim.rows)
-            self._queue.extend((item, claim.group_index(i)) for i, item in enumerate(items))
-        return self._queue.popleft()
+        with self._lock:
+            if not self._queue:
+                claim = self.log.claim(self.producer, self.block)
+                self.claims += 1
+                items = self.render(claim.rows)
+                self._queue.extend((item, claim.group_index(i)) for i, item in enumerate(items))
+            return self._queue.popleft()
 
     def next(self) -> PromptItem:
         return self.take()[0]
 
     def push_back(self, prompt_indices: list[int]) -> None:
-        self.log.release(prompt_indices, reason="pushed back", producer=self.producer)
+        with self._lock:
+            self.log.release(prompt_indices, reason="pushed back", producer=self.producer)
 
     def unstarted(self) -> dict[int, int]:
         """Group index -> row of the prompts claimed and not started yet."""
@@ -70,7 +73,18 @@ class ClaimedPrompts:
 
     def filtered(self, group: Group, reason: str) -> None:
         """A dynamic filter dropped ``group``: the prompt log records it as settled."""
-        self.log.filtered(self.producer, group.group_index, group.samples[0].prompt_index, reason)
+        with self._lock:
+            self.log.filtered(self.producer, group.group_index, group.samples[0].prompt_index, reason)
+
+    def release_own(self, groups: dict[int, int], reason: str):
+        """Give back prompts this producer claimed (group index -> row); see ``PromptLog.release_own``."""
+        with self._lock:
+            return self.log.release_own(groups, reason=reason, producer=self.producer)
+
+    def adopted(self) -> list[tuple[str, set[int]]]:
+        """The partial groups this producer took over: (the producer that saved them, group indices)."""
+        with self._lock:
+            return [(c.source, set(c.groups)) for c in self.log.adopted_by(self.producer)]
 
     def state(self) -> dict[str, Any]:
         return {"claims": self.claims, "queued": len(self._queue)}
@@ -164,8 +178,8 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
 
         def stopped(stats, why: str) -> dict[str, Any]:
             """Give back what was claimed and never started, say ``stopped``."""
-            released = prompt_log.release_own({**prompts.unstarted(), **producer.abandoned_groups},
-                                              reason=f"producer {producer_id} {why}", producer=producer_id)
+            released = prompts.release_own({**prompts.unstarted(), **producer.abandoned_groups},
+                                           reason=f"producer {producer_id} {why}")
             link.beat(status="stopped", stats=asdict(stats), outstanding=0, in_engine=0)
             log(f"producer {producer_id}: {why} after {stats.groups_written} groups in {stats.segments_written} "
                 f"segments; {len(released.rows) if released else 0} claimed prompts given back")

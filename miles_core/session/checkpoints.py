@@ -60,7 +60,9 @@ class Checkpointer:
         A checkpoint that cannot be loaded (a truncated ``state.json`` or trainer state) is named in a
         warning and the next older one is used (``skipped`` lists them); when none loads, a
         RuntimeError lists each and why. RuntimeError too when the run has steps in
-        ``metrics.jsonl`` but no checkpoint (it cannot go on without redoing them over old data);
+        ``metrics.jsonl`` but no checkpoint (it cannot go on without redoing them over old data); a run
+        with neither (killed in its first step) starts again from the first prompt (``state/data_source.json``
+        is removed);
         ValueError when the newest checkpoint is past ``num_rollout``."""
         layout = self.files.layout
         steps = layout.checkpoints()
@@ -72,6 +74,7 @@ class Checkpointer:
                     "(--save-interval N) to make a run resumable"
                 )
             ledger.rewind(layout, 0)  # a step that was killed before its metrics row
+            layout.remove(SOURCE_STATE)  # and the prompts its rollout drew: the restarted run draws them again
             return None
         if steps[-1] > self.cfg.rollout.num_rollout:
             raise ValueError(

@@ -169,9 +169,12 @@ def eval_prompts(dataset: EvalDatasetConfig, tokenizer) -> list[PromptItem]:
 def render(rows, data_cfg, tokenizer) -> list[PromptItem]:
     from miles_core.data.datasets import render_prompt
 
+    # The tokenizer adds its special tokens (a <bos> where its post-processor puts one, as the model
+    # saw in pretraining), except to a chat template's text, which carries them already.
+    special = isinstance(data_cfg, ToyDataConfig) or not data_cfg.apply_chat_template
     items = []
     for row in rows:
         text = row.prompt if isinstance(data_cfg, ToyDataConfig) else render_prompt(row, data_cfg, tokenizer)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
         items.append(PromptItem(text, ids, row.label, row.index, dict(row.metadata)))
     return items

@@ -173,25 +173,3 @@ class RolloutSide:
     def close(self) -> None:
         if is_built(self, "engine"):
             self.run(self.engine.close())
-
-
-class SourcePrompts:
-    """A producer's prompts straight from this process's ``DataSource`` (one producer per run:
-    a multi-LoRA run's); ``push_back`` puts recycled prompts first in line."""
-
-    def __init__(self, side: RolloutSide) -> None:
-        self.side = side
-
-    def next(self) -> PromptItem:
-        return self.side.next_prompts(1)[0]
-
-    def push_back(self, prompt_indices: list[int]) -> None:
-        from types import SimpleNamespace
-
-        self.side.source.push_back([SimpleNamespace(index=i) for i in prompt_indices])
-
-    def state(self) -> dict[str, Any]:
-        return self.side.source.state()
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.side.source.load_state(state)

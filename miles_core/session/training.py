@@ -2,9 +2,9 @@
 
 ``TrainerSide`` trains a sync or async run's segment (``train``) or the next batch of a fully-async
 run's streams (``train_from_stream``), and publishes each new version to the weight store. What it
-reads in a fully-async run: the run's fleet (``fleet``: every producer's stream, whose dead
-producers' fences it respects), or one stream under its own reader name through a view (a
-multi-LoRA adapter: ``reader``, ``view``, ``producer_check``, ``producer_metrics``).
+reads in a fully-async run: every producer's stream, a dead one's up to its fence (``streams``: a
+fleet's, ``use_fleet``, or a multi-LoRA run's producers), under its own reader name and through a
+view for a multi-LoRA adapter (``reader``, ``view``, ``producer_check``, ``producer_metrics``).
 
 A step that changes nothing (every sample's reward failed, or the loss or gradient norm was not
 finite) publishes no version and is counted (``skipped_step`` in its metrics, a warning);
@@ -30,6 +30,7 @@ from miles_core.types import Group
 if TYPE_CHECKING:
     from miles_core.rollout.consumer import GroupFeed, GroupView
     from miles_core.rollout.supervisor import Fleet
+    from miles_core.storage.stream import SampleStream
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,19 @@ class SkippedSteps(RuntimeError):
 class TrainerSide:
     def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles, *, reader: str = "trainer",
                  view: GroupView | None = None, producer_check: Callable[[], None] = lambda: None,
-                 producer_metrics: Callable[[], dict[str, float]] = dict) -> None:
+                 producer_metrics: Callable[[], dict[str, float]] = dict,
+                 streams: Callable[[], list[tuple[SampleStream, int | None]]] | None = None,
+                 recycle: Callable[[list[Group]], None] | None = None, fleet_dir: str | None = None) -> None:
         self.cfg, self.refs, self.files = cfg, refs, files
+        self.fleet_dir = fleet_dir or refs.run_dir
+        """The run folder whose ``fleet/`` (prompt log, heartbeats) this trainer's producers use (a
+        multi-LoRA adapter's folder is below its run's)."""
         self.reader, self.view = reader, view
         self.producer_check, self.producer_metrics = producer_check, producer_metrics
-        self.fleet: Fleet | None = None
-        """Fully async: the run's rollout fleet, whose streams the feed reads (``use_fleet``)."""
+        self.streams, self.recycle = streams, recycle
+        """Fully async: the producers' streams the feed reads, each with its fence (a fleet's, or a
+        multi-LoRA run's producers), and where rejected groups' prompts go back to (its prompt log);
+        None: the run's one stream and its ``recycle`` stream."""
         self.skipped_in_a_row: list[str] = []
         """The latest steps that changed nothing, and why (``train.max_skipped_steps`` fail the run)."""
         self.done_before: set[int] = set()
@@ -65,7 +73,7 @@ class TrainerSide:
 
     def use_fleet(self, fleet: Fleet) -> None:
         """Train on ``fleet``'s streams: its checks, its recycling and its metrics."""
-        self.fleet = fleet
+        self.streams, self.recycle = fleet.streams, fleet.recycle
         self.producer_check, self.producer_metrics = fleet.check, fleet.metrics
 
     def weights_uri(self, version: int) -> str:
@@ -78,7 +86,8 @@ class TrainerSide:
         t0 = time.perf_counter()
         groups = regroup(self.files.stream.read_segment(rollout.offset).samples())
         ref = self.train_groups(rollout.step, groups)
-        write_step(self.files.layout, rollout.step + 1, ref.version, groups, segment=rollout.offset)
+        write_step(self.files.layout, rollout.step + 1, ref.version, groups, segment=rollout.offset,
+                   cursor=rollout.source_state)
         self.files.stream.reader(self.reader).commit(rollout.offset)
         ref.metrics["train_seconds"] = time.perf_counter() - t0
         return ref
@@ -141,8 +150,8 @@ class TrainerSide:
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
             kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
-            if self.fleet is not None:
-                kwargs.update(streams=self.fleet.streams, recycle=self.fleet.recycle)
+            if self.streams is not None:
+                kwargs.update(streams=self.streams, recycle=self.recycle)
             self.__dict__["_feed"] = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
                                                read_ahead=a.read_ahead, producer_check=self.producer_check,
                                                done=self.done_before, **kwargs)
@@ -181,25 +190,28 @@ class TrainerSide:
         feed = self.feed()
         return {"streams": feed.state(), "done": sorted(feed.done), "rejections": list(feed.rejections)}
 
-    def restore_feed(self, state: dict[str, Any]) -> None:
-        """Fully async: put every stream's trainer cursor back to ``state`` (a checkpoint's
-        ``feed_state``; a stream begun after it goes back to its start), and remember which groups
-        after the cursors were settled then (and those an earlier resume had settled), and every
-        group the trainer ever recycled (its prompt is back in the pool already), so the feed trains
-        each remaining group once. ``{"streams": {}}``:
-        a run that never finished a step, from the start."""
+    def restore_feed(self, state: dict[str, Any], producers: list[str] | None = None) -> None:
+        """Fully async: put this trainer's cursor on every producer's stream back to ``state`` (a
+        checkpoint's ``feed_state``; a stream begun after it goes back to its start), and remember
+        which groups after the cursors were settled then (and those an earlier resume had settled),
+        and every group the trainer ever recycled (its prompt is back in the pool already), so the
+        feed trains each remaining group once. ``{"streams": {}}``: a run that never finished a
+        step, from the start. ``producers``: whose streams (None: every producer with a heartbeat,
+        a fleet's)."""
         from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
 
         opts, retry = self.cfg.storage.storage_options, self.files.layout.retry
         streams = state["streams"]
-        for producer in ControlPlane(self.refs.run_dir, opts, retry=retry).heartbeats():
+        if producers is None:
+            producers = list(ControlPlane(self.fleet_dir, opts, retry=retry).heartbeats())
+        for producer in producers:
             name = stream_name(producer)
             cursor = int(streams.get(name, {}).get("cursor", -1))
             reader = self.files.stream.sibling(name).reader(self.reader)
             if reader.cursor != cursor:
                 reader.commit(cursor)
         done = {int(g) for entry in streams.values() for g in entry["used"]} | {int(g) for g in state.get("done", [])}
-        for c in PromptLog(self.refs.run_dir, opts, retry=retry).entries():
+        for c in PromptLog(self.fleet_dir, opts, retry=retry).entries():
             if c.kind == "release" and c.reason == RECYCLED:  # its prompt is back in the pool: never trainable
                 done.update(c.groups)
         self.done_before = done

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,6 +54,8 @@ class TokenBatch:
     """[B, L] reference-policy logprobs, aligned like labels."""
     is_weights: Tensor | None = None
     """[B, L] rollout-correction weight of each token's policy-gradient loss (None: weight 1)."""
+    has_rollout_logprobs: Tensor | None = None
+    """[B] float: 1 on rows whose sample carries one rollout logprob per response token."""
 
     @property
     def num_rows(self) -> int:
@@ -93,33 +97,45 @@ def _check_sample(i: int, s: Sample) -> None:
 
 
 def collate(samples: list[Sample], pad_id: int = 0) -> TokenBatch:
-    """Right-padded tensors of ``samples``; see the module docstring for the alignment."""
+    """Right-padded tensors of ``samples``; see the module docstring for the alignment. Built with
+    one scatter per tensor over the whole batch (no per-sample tensor work)."""
     for i, s in enumerate(samples):
         _check_sample(i, s)
-    width = max(s.total_len for s in samples)
     n = len(samples)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    labels = torch.full((n, width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((n, width), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((n, width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        ids = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        total, first = len(ids), len(s.prompt_ids) - 1  # column predicting response token 0
-        input_ids[i, :total] = ids
-        attention_mask[i, :total] = 1
-        labels[i, : total - 1] = ids[1:]
-        cols = slice(first, first + len(s.response_ids))
-        if s.reward is not None:
-            loss_mask[i, cols] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        if s.rollout_logprobs:
-            rollout_logprobs[i, cols] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    lengths = np.array([s.total_len for s in samples], dtype=np.int64)
+    prompt_lens = np.array([len(s.prompt_ids) for s in samples], dtype=np.int64)
+    width = int(lengths.max())
+    # every token of every row: its row, its column, its id
+    rows = np.repeat(np.arange(n), lengths)
+    cols = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    ids = np.fromiter(chain.from_iterable(s.prompt_ids + s.response_ids for s in samples), np.int64, len(rows))
+    input_ids = np.full((n, width), pad_id, dtype=np.int64)
+    input_ids[rows, cols] = ids
+    labels = np.full((n, width), pad_id, dtype=np.int64)
+    later = cols > 0
+    labels[rows[later], cols[later] - 1] = ids[later]  # column p predicts the token at p + 1
+    attention_mask = (np.arange(width) < lengths[:, None]).astype(np.int64)
+    # every response token: the column predicting it, its loss mask (0 for a failed sample), its logprob
+    response_lens = lengths - prompt_lens
+    r_rows = np.repeat(np.arange(n), response_lens)
+    r_cols = (np.arange(int(response_lens.sum())) - np.repeat(np.cumsum(response_lens) - response_lens, response_lens)
+              + np.repeat(prompt_lens - 1, response_lens))
+    mask = np.fromiter(chain.from_iterable(s.loss_mask if s.reward is not None else [0] * len(s.response_ids)
+                                           for s in samples), np.float32, len(r_rows))
+    loss_mask = np.zeros((n, width), dtype=np.float32)
+    loss_mask[r_rows, r_cols] = mask
+    logprobs = np.fromiter(chain.from_iterable(s.rollout_logprobs or [0.0] * len(s.response_ids) for s in samples),
+                           np.float32, len(r_rows))
+    rollout_logprobs = np.zeros((n, width), dtype=np.float32)
+    rollout_logprobs[r_rows, r_cols] = logprobs
     return TokenBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
         position_ids=torch.arange(width).expand(n, width).clone(),
-        labels=labels,
-        loss_mask=loss_mask,
-        rollout_logprobs=rollout_logprobs,
-        lengths=attention_mask.sum(dim=-1),
+        labels=torch.from_numpy(labels),
+        loss_mask=torch.from_numpy(loss_mask),
+        rollout_logprobs=torch.from_numpy(rollout_logprobs),
+        lengths=torch.from_numpy(lengths),
+        has_rollout_logprobs=torch.tensor([len(s.rollout_logprobs) == len(s.response_ids) for s in samples],
+                                          dtype=torch.float32),
     )

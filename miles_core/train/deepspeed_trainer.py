@@ -44,6 +44,7 @@ Every public method is collective: all ranks call it, in the same order (``launc
 from __future__ import annotations
 
 import io
+import math
 import os
 import posixpath
 import socket
@@ -238,13 +239,23 @@ class DeepSpeedTrainer(TorchTrainer):
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.detach().float()
-        own_norm = self._grad_norm_of_plain_optimizer()
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         names = sorted(sums)
-        totals = self._sum_over_ranks(torch.stack([sums[k] for k in names])).tolist()
+        totals = dict(zip(names, self._sum_over_ranks(torch.stack([sums[k] for k in names])).tolist()))
+        own_norm = self._grad_norm_of_plain_optimizer()
+        if own_norm is not None and not math.isfinite(own_norm):  # torch's AdamW would apply it: drop it here
+            self.engine.zero_grad()
+            return {"nonfinite": 1.0}
+        self.engine.step()
+        if not self.engine.was_step_applied():  # the engine found the gradient norm not finite and dropped it
+            return {"nonfinite": 1.0}
+        norm = float(self.engine.get_global_grad_norm() if own_norm is None else own_norm)
+        if not math.isfinite(norm):
+            raise FloatingPointError(
+                f"DeepSpeed applied an optimizer step (weights version {self._version + 1}) whose gradient norm was "
+                f"{norm} (loss {totals.get('loss')}); the weights are no longer trustworthy"
+            )
         self._version += 1
-        return {**dict(zip(names, totals)), "grad_norm": float(norm)}
+        return {**totals, "grad_norm": norm}
 
     def _grad_norm_of_plain_optimizer(self) -> float | None:
         """ZeRO stage 0 in fp32 steps torch's AdamW itself and keeps no gradient norm: measure the

@@ -388,7 +388,8 @@ def rollout_correction(
 
 
 def mismatch_metrics(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, correction: RolloutCorrection | None = None
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, correction: RolloutCorrection | None = None,
+    denom: float | None = None,
 ) -> dict[str, Tensor]:
     """Token means over ``mask`` with d = old - rollout: mismatch_kl = mean(e^d - 1 - d), abs_diff = mean |d|.
 
@@ -396,14 +397,15 @@ def mismatch_metrics(
     policy mu): 0 when the logprobs agree, positive otherwise. ``train_rollout_logprob_abs_diff`` is
     mean |d|. With a correction: ``tis_weight_mean`` (mean applied weight, rejected tokens counting
     0) and ``tis_clipfrac`` (share of tokens truncated or rejected). Tokens outside ``mask`` never
-    enter, whatever their values."""
+    enter, whatever their values. ``denom``: the token count of the whole batch, so that the values
+    of its micro-batches sum to the batch's (as ``reduce_tokens``)."""
     mask = mask.to(old_logprobs.dtype)
     d = torch.where(mask > 0, old_logprobs.detach() - rollout_logprobs.detach(), torch.zeros_like(old_logprobs))
     metrics = {
-        "mismatch_kl": reduce_tokens(torch.exp(d) - 1.0 - d, mask, "token_mean"),
-        "train_rollout_logprob_abs_diff": reduce_tokens(d.abs(), mask, "token_mean"),
+        "mismatch_kl": reduce_tokens(torch.exp(d) - 1.0 - d, mask, "token_mean", denom),
+        "train_rollout_logprob_abs_diff": reduce_tokens(d.abs(), mask, "token_mean", denom),
     }
     if correction is not None:
-        metrics["tis_weight_mean"] = reduce_tokens(correction.weights, mask, "token_mean")
-        metrics["tis_clipfrac"] = reduce_tokens(correction.corrected, mask, "token_mean")
+        metrics["tis_weight_mean"] = reduce_tokens(correction.weights, mask, "token_mean", denom)
+        metrics["tis_clipfrac"] = reduce_tokens(correction.corrected, mask, "token_mean", denom)
     return metrics

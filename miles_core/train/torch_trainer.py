@@ -2,7 +2,7 @@
 
 One ``step(batch)``:
 1. collate the samples (``batch.collate``) and attach advantages, the PPO ratio denominator
-   (recomputed by a no-grad forward pass, or the rollout engine's logprobs) and, when a KL term
+   (recomputed by a no-grad forward pass, or the rollout engine's logprobs; see "One pass" below) and, when a KL term
    is on (``kl_loss_coef`` or ``kl_coef``), the frozen reference policy's logprobs; with
    ``kl_coef``, the advantages again from KL-penalised rewards;
 2. rollout correction: with recomputed old logprobs and samples that carry the engine's logprobs,
@@ -20,6 +20,16 @@ One ``step(batch)``:
    says which), so the accumulated gradient is the gradient of the minibatch loss, whatever the
    micro-batch size;
 5. clip the gradient norm, take an AdamW step, and count one more version.
+
+One pass: with recomputed old logprobs and a batch trained in a single optimizer step (and no
+``kl_coef``, no ``use_tis``, no dropout: nothing that needs the denominator before the loss pass,
+or that makes two passes differ), the denominator is the loss pass's own logprobs, detached, and
+the step saves one forward pass of the batch. A separate no-grad pass of the same weights computes
+the same values up to rounding: on CPU in fp32 the update is the same bit for bit (a unit test);
+where kernels round differently for other batch shapes (GPU, bf16) the separate pass gave a ratio of
+1 plus rounding noise, and the one pass gives exactly 1 (``ratio_dev``, ``clipfrac`` and
+``approx_kl`` of such a step are 0). The mismatch metrics are then summed over the loss pass's
+micro-batches, as the loss is (``_one_pass``).
 
 Every optimizer step after the first of a batch trains on samples its weights did not produce;
 ``offpolicy_ratio_dev`` and ``offpolicy_clipfrac`` (steps 2..k) show how far they have drifted.
@@ -79,6 +89,7 @@ if TYPE_CHECKING:
 _AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_dev", "approx_kl", "grad_norm")
 # averaged over the optimizer steps after the first one of a batch (its off-policy steps)
 _OFF_POLICY = {"offpolicy_ratio_dev": "ratio_dev", "offpolicy_clipfrac": "clipfrac"}
+_MISMATCH = ("mismatch_kl", "train_rollout_logprob_abs_diff")
 
 
 class WeightPublisher(Protocol):
@@ -118,6 +129,10 @@ class TorchTrainer:
         self.ref_model = None
         if _uses_reference(train_cfg) and lora is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._random_forward = _has_dropout(self.model)
+        """A training-mode forward pass is random (dropout, jitter): two passes differ (``_one_pass``)."""
+        self._mismatch_denom: float | None = None
+        """One pass: the tokens the mismatch metrics average over (None: no metrics)."""
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -168,6 +183,8 @@ class TorchTrainer:
         if len(per_step) > 1:
             summary.update({name: _mean(m[k] for m in per_step[1:]) for name, k in _OFF_POLICY.items()})
         summary.update(correction_metrics)
+        if self._mismatch_denom and per_step:  # one pass: the micro-batches' shares, summed
+            summary.update({k: per_step[0][k] for k in _MISMATCH})
         excluded = sum(1 for s in batch.samples if s.reward is None)
         summary.update(
             num_optimizer_steps=float(len(per_step)),
@@ -184,7 +201,10 @@ class TorchTrainer:
         tokens = collate(batch.samples, self.pad_id).to(self.device)
         tokens.advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
         metrics: dict[str, float] = {}
-        if self.cfg.old_logprobs == "recompute":
+        self._mismatch_denom = None
+        if self._one_pass(tokens.num_rows):  # the loss pass's own logprobs, detached (see "One pass")
+            self._mismatch_denom = float((tokens.loss_mask * tokens.has_rollout_logprobs.unsqueeze(-1)).sum()) or None
+        elif self.cfg.old_logprobs == "recompute":
             tokens.old_logprobs = self._forward_logprobs(self.model, tokens, batch.temperature)
             metrics = self._correct_for_rollout(batch.samples, tokens)
         else:
@@ -230,8 +250,7 @@ class TorchTrainer:
         cfg = self.cfg
         if cfg.use_tis:
             _require_rollout_logprobs(samples, "train.use_tis", "turn use_tis off or use an engine that reports them")
-        has = torch.tensor([_has_rollout_logprobs(s) for s in samples], dtype=torch.float32, device=self.device)
-        mask = tokens.loss_mask * has.unsqueeze(-1)
+        mask = tokens.loss_mask * tokens.has_rollout_logprobs.unsqueeze(-1)
         if not mask.any():
             return {}
         correction = None
@@ -244,6 +263,14 @@ class TorchTrainer:
             tokens.is_weights = correction.weights
             tokens.loss_mask = tokens.loss_mask * correction.keep
         return {k: float(v) for k, v in metrics.items()}
+
+    def _one_pass(self, num_rows: int) -> bool:
+        """Whether the loss pass's own detached logprobs stand for a separate old-logprob pass (see
+        the module docstring): recomputed, one optimizer step, nothing needing them before the loss
+        pass, and no dropout to make two passes differ."""
+        cfg = self.cfg
+        return (cfg.old_logprobs == "recompute" and len(cfg.minibatch_sizes(num_rows)) == 1
+                and cfg.kl_coef == 0 and not cfg.use_tis and not self._random_forward)
 
     def _micro_batches(self, tokens: TokenBatch) -> Iterator[TokenBatch]:
         rows = torch.arange(tokens.num_rows, device=self.device)
@@ -294,9 +321,15 @@ class TorchTrainer:
         cfg, reducer = self.cfg, self.policy_loss.reducer
         logits = self._logits(self.model, mb, temperature)
         logprobs = token_logprobs(logits, mb.labels)
+        old_logprobs = mb.old_logprobs
+        if old_logprobs is None:  # one pass: this pass's logprobs are the denominator
+            old_logprobs = logprobs.detach()
         pg_loss, metrics = self.policy_loss.fn(
-            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, denom=denom, weights=mb.is_weights
+            logprobs, old_logprobs, mb.advantages, mb.loss_mask, denom=denom, weights=mb.is_weights
         )
+        if mb.old_logprobs is None and self._mismatch_denom:  # this micro-batch's share of the batch's
+            mask = mb.loss_mask * mb.has_rollout_logprobs.unsqueeze(-1)
+            metrics.update(mismatch_metrics(old_logprobs, mb.rollout_logprobs, mask, denom=self._mismatch_denom))
         loss = pg_loss
         kl = torch.zeros(())
         if mb.ref_logprobs is not None:
@@ -471,6 +504,26 @@ def _mean(values: Iterable[float]) -> float:
 
 def _has_rollout_logprobs(s: Sample) -> bool:
     return len(s.rollout_logprobs) == len(s.response_ids)
+
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward pass of ``model`` is random: a dropout module with p > 0, or
+    a config value above 0 whose name says dropout or jitter (``attention_dropout``, a MoE router's
+    ``router_jitter_noise``), nested configs (``text_config``) included."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    return config is not None and _random_setting(config.to_dict())
+
+
+def _random_setting(values: dict) -> bool:
+    for key, value in values.items():
+        if isinstance(value, dict) and _random_setting(value):
+            return True
+        if isinstance(key, str) and any(w in key for w in ("dropout", "jitter")) and isinstance(value, (int, float)) \
+                and value > 0:
+            return True
+    return False
 
 
 def _require_rollout_logprobs(samples: list[Sample], setting: str, fix: str) -> None:

@@ -283,8 +283,10 @@ needs_chromium = pytest.mark.skipif(_chromium() is None and not os.environ.get("
 @pytest.fixture(scope="module")
 def page(postgres_backend):
     """A headless Chromium page (Playwright), one for the module; its ``ui`` is the served UI's URL."""
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # a busy two-core machine has taken over 5 s (expect's default) to render the RunConfig form
+    expect.set_options(timeout=30_000)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         # no background networking: this machine's network is closed, and Chromium would keep trying

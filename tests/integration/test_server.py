@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.server import EXIT_NOT_RUNNING, LocalServer, free_port
+from deployments.server import EXIT_NOT_RUNNING, LocalServer, free_port, postgres_bin_dir
 # ``postgres_server`` resolves because pytest puts tests/integration (no __init__.py) on sys.path.
 from postgres_server import postgres_prefect_server
 
@@ -136,6 +136,23 @@ async def _read_back(client, flow_run_id) -> tuple:
     return flow_run, task_runs
 
 
+def _assert_password_required(home: Path, db_port: int) -> None:
+    """Postgres refuses a login without the password, takes one with it; the password is readable
+    by its owner alone and in neither server.json nor the server's log."""
+    password_file = home / "db-password"
+    password = password_file.read_text().strip()
+    assert len(password) >= 24 and password_file.stat().st_mode & 0o077 == 0
+    for name in ("server.json", "prefect-server.log"):
+        assert password not in (home / name).read_text(), name
+    psql = [str(postgres_bin_dir() / "psql"), "-h", "127.0.0.1", "-p", str(db_port), "-U", "postgres", "-d", "prefect",
+            "-w", "-tAc", "SELECT 1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    refused = subprocess.run(psql, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "password" in refused.stderr, refused.stderr
+    taken = subprocess.run(psql, capture_output=True, text=True, env={**env, "PGPASSWORD": password})
+    assert taken.returncode == 0 and taken.stdout.strip() == "1", taken.stderr
+
+
 def test_cli_lifecycle_on_postgres(home):
     t_test = time.perf_counter()
     api_url, t_start = timed_start(home, "--port", str(free_port()))  # not 4200: a user's server may hold it
@@ -155,6 +172,8 @@ def test_cli_lifecycle_on_postgres(home):
     postgres_pid = LocalServer(home).status().postgres_pid
     pids = [state["prefect_pid"], postgres_pid]
     assert all(pids) and not any(_gone(p) for p in pids)
+
+    _assert_password_required(home, state["db_port"])
 
     flow_state = _run_tiny_flow(api_url)
     assert flow_state.is_completed(), flow_state
@@ -179,8 +198,13 @@ def test_cli_lifecycle_on_postgres(home):
     assert status.returncode == EXIT_NOT_RUNNING and "not running" in status.stdout, status.stdout
     assert (home / "postgres" / "data" / "PG_VERSION").exists()  # the data stays
 
+    # a cluster an earlier version made took logins without a password: its next start requires one
+    hba = home / "postgres" / "data" / "pg_hba.conf"
+    hba.write_text(hba.read_text().replace("scram-sha-256", "trust"))
+    (home / "db-password").unlink()
     api_url_2, t_restart = timed_start(home)
     assert api_url_2 == api_url  # without --port, the port of the last start
+    _assert_password_required(home, state["db_port"])
     again_run, again_tasks = _client_call(api_url, lambda c: _read_back(c, flow_run_id))
     assert again_run.state.is_completed() and len(again_tasks) == 2
     assert _client_call(api_url, lambda c: c.read_flow_run(runs[0].id)).name == "concurrent-0"

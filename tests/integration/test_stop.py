@@ -21,11 +21,15 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _miles_train(tmp_path: Path, model_dir, *flags: str) -> subprocess.Popen:
-    """``miles train`` in a process of its own, its output in files (``out``/``err`` of tmp_path)."""
+def _miles_train(tmp_path: Path, model_dir, *flags: str, command: str = "train",
+                 api_url: str | None = None) -> subprocess.Popen:
+    """``miles train`` (or ``command``) in a process of its own, its output in files (``out``/``err``
+    of tmp_path). Without ``api_url`` it has Prefect's ephemeral API, as a user's first run has."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)  # Prefect's ephemeral API, as a user's first run has
-    cmd = [sys.executable, "-m", "deployments.cli", "train", "--hf-checkpoint", str(model_dir),
+    env.pop("PREFECT_API_URL", None)
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    cmd = [sys.executable, "-m", "deployments.cli", command, "--hf-checkpoint", str(model_dir),
            "--num-rollout", "400", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
            "--rollout-max-response-len", "3", "--eval-num-prompts", "4", "--eval-interval", "1000",
            "--storage-root", str(tmp_path / "runs"), *flags]
@@ -117,7 +121,10 @@ def test_ctrl_c_stops_a_sync_run_after_its_step_with_a_checkpoint_and_says_how_t
 
 
 def test_sigterm_stops_a_fully_async_run_and_its_producers_with_a_checkpoint(tiny_model_dir, tmp_path):
-    proc = _miles_train(tmp_path, tiny_model_dir, "--fully-async", "--save-interval", "100")
+    """SIGTERM, with partial rollout on: the producer saves its unfinished groups; the resumed run's
+    first producer continues them (under their own group indices) and the audit finds every prompt."""
+    flags = ("--fully-async", "--save-interval", "100", "--partial-rollout", "--async-max-concurrent-samples", "64")
+    proc = _miles_train(tmp_path, tiny_model_dir, *flags)
     session = _run_session(proc)
     wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
     code, err, seconds = _stop(proc, signal.SIGTERM, within=10)
@@ -126,6 +133,44 @@ def test_sigterm_stops_a_fully_async_run_and_its_producers_with_a_checkpoint(tin
     done = _steps(tmp_path)
     assert f"as asked; checkpoint at step {done}" in err and "resume it with: miles train " in err, err[-3000:]
     assert not _left_in(session), _left_in(session)  # producers, their engines, the Prefect server
+    _no_partial_segments(tmp_path)
+
+    from miles_core.rollout.fleet import ControlPlane
+    from miles_core.storage import SampleStream
+
+    run_dir = next((tmp_path / "runs").glob("*/*"))
+    saved = {s.group_index for seg in SampleStream(str(run_dir)).sibling("partial-p0").read() for s in seg.samples()}
+    again = _miles_train(tmp_path, tiny_model_dir, *flags, "--num-rollout", str(done + 2), "--run-id", run_dir.name)
+    again.wait(timeout=300)
+    out, err = _output(again)
+    assert again.returncode == 0, err[-3000:]
+    if saved:  # (how many groups were in flight at the stop is up to timing)
+        assert f"p1 continues {len(saved)} partial groups they saved" in out + err, (out + err)[-3000:]
+        assert ControlPlane(str(run_dir)).heartbeat("p1").stats["groups_resumed_partial"] == len(saved)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["audit"]["ok"], summary["audit"]
+    print(f"partial groups saved at the stop and continued: {len(saved)}")
+
+
+def test_sigterm_stops_a_multi_lora_run_with_a_checkpoint_of_each_adapter(tiny_model_dir, tmp_path):
+    proc = _miles_train(tmp_path, tiny_model_dir, "--lora-count", "2", "--lora-rank", "4", "--save-interval", "100",
+                        command="train-multi-lora")
+    session = _run_session(proc)
+
+    def adapter_steps() -> int:
+        files = list((tmp_path / "runs").glob("*/*/adapters/*/metrics.jsonl"))
+        return min(len(f.read_text().splitlines()) for f in files) if len(files) == 2 else 0
+
+    wait_for(lambda: adapter_steps() >= 2, 180, "two steps of each adapter")
+    code, err, seconds = _stop(proc, signal.SIGTERM, within=10)
+    assert code == 143, err[-3000:]
+    assert seconds < 10, f"stopped after {seconds:.1f} s"
+    assert "the adapters' checkpoints are at steps adapter-0 " in err, err[-3000:]
+    assert "resume it with: miles train-multi-lora " in err, err[-3000:]
+    run_dir = next((tmp_path / "runs").glob("*/*"))
+    for name in ("adapter-0", "adapter-1"):
+        assert list((run_dir / "adapters" / name / "checkpoints").iterdir()), name
+    assert not _left_in(session), _left_in(session)
     _no_partial_segments(tmp_path)
 
 

@@ -141,14 +141,13 @@ def test_checkpoints_and_weight_rollback_on_s3(root, storage_options):
 
 def test_a_fully_async_run_survives_an_s3_outage_longer_than_a_request_retry(prefect_backend, tiny_model_dir,
                                                                             local_s3, tmp_path):
-    """The S3 endpoint (behind a proxy that cuts the line, its state kept) goes away for 15 s in the
+    """The S3 endpoint (behind a proxy that cuts the line, its state kept) goes away for 30 s in the
     middle of a fully-async run: the trainer and its producer process both wait it out
     (``storage.max_outage_s``, 120 s by default; one request's retries alone give up after 10 s)
     and the run completes with every step, every prompt of the log written or given back."""
     from doubles.tcp_proxy import TcpProxy
     from flows.train import train
     from miles_core.config import RunConfig
-    from test_fleet_processes import assert_prompts_exactly_once
 
     bucket = local_s3.make_bucket(f"outage-{uuid.uuid4().hex[:8]}")
     proxy = TcpProxy(local_s3.port)
@@ -178,7 +177,7 @@ def test_a_fully_async_run_survives_an_s3_outage_longer_than_a_request_retry(pre
             time.sleep(0.2)
         witness["cut_at_step"] = steps()
         proxy.cut()
-        time.sleep(15)
+        time.sleep(30)
         witness["restored_at_step"] = steps()
         proxy.restore()
 
@@ -192,4 +191,5 @@ def test_a_fully_async_run_survives_an_s3_outage_longer_than_a_request_retry(pre
     assert state.is_completed(), state
     assert 3 <= witness["cut_at_step"] < 12 and witness["restored_at_step"] == witness["cut_at_step"], witness
     assert [json.loads(line)["step"] for line in direct.cat_file(metrics).decode().splitlines()] == list(range(1, 13))
-    assert_prompts_exactly_once(f"{bucket}/runs/outage/outage", local_s3.storage_options)
+    audit = state.result()["audit"]  # read back through the endpoint: every prompt trained once or accounted for
+    assert audit["ok"] and audit["counts"]["trained"] == 12 * 4 and audit["token_balance"] == 0, audit

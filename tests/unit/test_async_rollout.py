@@ -203,7 +203,7 @@ def test_second_batch_continues_without_repeats(harness, read_ahead):
 
 @pytest.mark.parametrize("granularity,limit,expected_peak", [("sample", 5, 5), ("group", 5, 4)])
 def test_in_flight_bound_is_never_exceeded(harness, granularity, limit, expected_peak):
-    engine = ScriptedEngine(token_latency=0.003)
+    engine = ScriptedEngine(token_latency=0.02)  # long enough that the groups overlap on a busy machine
     h = harness(engine=engine, max_concurrent_samples=limit, submit_granularity=granularity,
                 buffer_capacity_factor=8).start()
     h.feed().next_batch(12, 0)
@@ -391,6 +391,22 @@ def test_producer_death_reaches_the_trainer_with_its_own_exception(harness):
     assert state["status"] == "failed" and "prompt source broke" in state["error"]
 
 
+def test_a_producer_found_dead_is_dealt_with_while_the_others_keep_the_trainer_fed(harness):
+    h = harness().start()
+    h.wait_until(lambda: sum(len(seg.samples()) for seg in h.stream.read()) >= 4 * h.cfg.rollout.n_samples_per_prompt)
+    h.stop()  # four groups are on disk: the feed never has to wait for them
+    dead = RuntimeError("producer p1 was killed by signal SIGKILL")
+
+    def check():
+        raise dead
+
+    buffer = DefaultDataBuffer(h.cfg.async_rollout, capacity=64)
+    feed = GroupFeed(h.stream, buffer, h.cfg.async_rollout, producer_check=check)
+    with pytest.raises(RuntimeError) as raised:
+        feed.next_batch(4, 0)
+    assert raised.value is dead
+
+
 def test_trainer_warns_while_it_waits(harness):
     engine = ScriptedEngine(token_latency=0.05)
     h = harness(engine=engine, no_progress_s=0.1, max_new_tokens=6).start()
@@ -448,6 +464,46 @@ def test_partial_trajectories_survive_the_producer(harness):
     resumed = {s.group_index for s in saved}
     assert resumed <= set(finished)
     assert all(finished[g].status is not SampleStatus.ABORTED for g in resumed)
+
+
+class AdoptingPrompts(Prompts):
+    """A prompt log's supply that took over partial groups another producer saved (``adopted``)."""
+
+    def __init__(self, source: str, groups: set[int]) -> None:
+        super().__init__()
+        self.source, self.groups = source, groups
+
+    def adopted(self) -> list[tuple[str, set[int]]]:
+        return [(self.source, self.groups)]
+
+
+def test_a_producer_continues_the_partial_groups_it_adopted(harness):
+    """Producer "p0" of an earlier start saved partial groups in its own partial stream; a producer
+    of the next start adopted them (the prompt log says which): it continues and finishes each,
+    under its group index, before any new prompt; groups of that stream it did not adopt stay."""
+    from miles_core.types import regroup
+
+    engine = ScriptedEngine(token_latency=0.02)
+    h = harness(engine=engine, max_new_tokens=8, partial_rollout=True, buffer_capacity_factor=100).start()
+    h.wait_until(lambda: engine.tokens_out >= 4)
+    stats = h.stop()
+    saved = [g for seg in h.stream.sibling("partial").read() for g in regroup(seg.samples())]
+    assert len(saved) == stats.groups_saved_partial > 0
+    h.stream.sibling("partial-p0").append([s for g in saved for s in g.samples])  # as p0 would have
+    adopted = {g.group_index for g in saved[1:]} if len(saved) > 1 else {saved[0].group_index}
+    h.producer = RolloutProducer(h.cfg, h.engine, AdoptingPrompts("p0", adopted), score, h.stream, h.layout,
+                                 h.weights, h.sampling, tokenizer=CharTokenizer(), partial_stream="partial-p1")
+    h.start()
+    h.wait_until(lambda: h.producer.stats.groups_written >= len(adopted))
+    second = h.stop()
+    assert second.groups_resumed_partial == len(adopted)
+    finished = {s.group_index: s for seg in h.stream.read() for s in seg.samples()}
+    assert adopted <= set(finished) and all(finished[g].status is not SampleStatus.ABORTED for g in adopted)
+    done = {(s.group_index, s.sample_index): s for seg in h.stream.read() for s in seg.samples()}
+    kept = [(g.group_index, s) for g in saved if g.group_index in adopted for s in g.samples if s.response_ids]
+    assert kept, "some adopted sample had tokens already"
+    for gi, s in kept:  # continued, not started again: the saved tokens begin the finished response
+        assert done[(gi, s.sample_index)].response_ids[: len(s.response_ids)] == s.response_ids
 
 
 def test_restarted_producer_continues_group_indices_and_prompts(harness):

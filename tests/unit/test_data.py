@@ -176,6 +176,27 @@ def test_chat_template_rendering_and_missing_template_error():
     assert render_prompt(row, cfg, tokenizer) == "<user>Q: 2+2?\n<assistant>"
 
 
+def test_prompts_get_the_tokenizers_bos_unless_a_chat_template_already_gave_it():
+    """A tokenizer whose post-processor adds <bos> (as Llama's does): a plain prompt gets it, as the
+    model saw in pretraining; a chat template's text carries its own and gets no second one."""
+    from tokenizers.processors import TemplateProcessing
+
+    from miles_core.models.tiny import build_tokenizer
+    from miles_core.session.parts import render
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "<s>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    row = PromptRow(0, "2+2?", "4")
+    plain = render([row], FileDataConfig(path="x.jsonl"), tokenizer)[0]
+    chat = render([row], FileDataConfig(path="x.jsonl", apply_chat_template=True), tokenizer)[0]
+    body = tokenizer("2+2?", add_special_tokens=False)["input_ids"]
+    assert plain.prompt_ids == [bos, *body]
+    assert chat.prompt_ids == [bos, *body]  # the template's <s>, not two
+
+
 # ------------------------------------------------------------------------------- DataSource
 
 

@@ -304,6 +304,47 @@ def test_a_dead_producers_prompts_go_back_once_whoever_releases_first(run_dir):
     assert sorted(PromptLog(run_dir, draw=counter_draw(100)).claim("p1", 3).rows) == [2, 3, 4]
 
 
+def test_partial_groups_of_an_earlier_start_are_adopted_once_and_the_rest_goes_back(tmp_path):
+    """p0 claimed groups 0..3, wrote group 0, saved 1 and 2 as partial at its stop and lost 3. The
+    next start (heir p1) continues 1 and 2 under their own indices and gives back only 3's prompt.
+    Settling again (a crash half-way) adopts nothing twice; if p1 dies in turn, its fence gives back
+    the adopted prompts, and its own partial stream is what a third start continues."""
+    from miles_core.rollout.fleet import settle_earlier
+
+    run_dir = str(tmp_path / "run")
+    log = PromptLog(run_dir, draw=counter_draw(100))
+    base = SampleStream(run_dir)
+    claim = log.claim("p0", 4)
+    base.sibling(stream_name("p0")).append([_group(claim.group_index(0))])
+    base.sibling("partial-p0").append([_group(claim.group_index(1)), _group(claim.group_index(2))])
+    monitor = _monitor(run_dir, log, lambda: 0.0, written=lambda p, last: _written(base, p, last))
+
+    assert settle_earlier(monitor, base, ["p0"], heir="p1") == (1, 2)
+    (adopt,) = log.adopted_by("p1")
+    assert adopt.groups == [claim.group_index(1), claim.group_index(2)] and adopt.source == "p0"
+    assert log.last().pending == [3]  # only the lost group's prompt is back in the pool
+    assert set(log.owned("p1")) == {claim.group_index(1), claim.group_index(2)}
+    assert set(log.owned("p0")) == {claim.group_index(0), claim.group_index(3)}
+
+    again = _monitor(run_dir, PromptLog(run_dir, draw=counter_draw(100)), lambda: 0.0,
+                     written=lambda p, last: _written(base, p, last))
+    assert settle_earlier(again, base, ["p0"], heir="p2") == (0, 0), "nothing adopted or given back twice"
+
+    # p1 continued group 1 and saved it again at its stop, never got to group 2
+    base.sibling("partial-p1").append([_group(claim.group_index(1))])
+    third = _monitor(run_dir, PromptLog(run_dir, draw=counter_draw(100)), lambda: 0.0,
+                     written=lambda p, last: _written(base, p, last))
+    assert settle_earlier(third, base, ["p0", "p1"], heir="p2") == (1, 1)
+    assert [c.groups for c in third.log.adopted_by("p2")] == [[claim.group_index(1)]]
+    assert third.log.last().pending == [3, 2]
+
+
+def _written(base: SampleStream, producer: str, last: int) -> set[int]:
+    from miles_core.rollout.fleet import written_groups
+
+    return written_groups(base.sibling(stream_name(producer)), last)
+
+
 def test_a_resumed_feed_trains_each_remaining_group_once(tmp_path):
     """A checkpoint keeps each stream's cursor and the groups used after it; a feed built after a
     crash (cursors put back, ``done`` from the checkpoint) trains exactly the groups the checkpoint

@@ -60,3 +60,74 @@ def test_a_folder_that_is_not_a_run_or_has_no_ledger_is_refused_not_passed(tmp_p
     layout.write_jsonl("metrics.jsonl", [{"step": 1}])
     with pytest.raises(ValueError, match="has training steps but no prompt ledger"):
         audit(layout.run_dir)
+
+
+def test_a_multi_lora_run_is_audited_per_adapter_over_its_own_groups(tmp_path):
+    """Per-adapter rollouts: each group is the adapter's that generated it; each adapter's ledger and
+    cursor account for its own groups, the other's are "another adapter's", and a group one adapter
+    passed without training is named with that adapter."""
+    layout = RunLayout(str(tmp_path / "runs"), "toy", "ml")
+    layout.write_json("config.json", {"multi_lora": {"n_adapters": 2, "rollout_source": "per_adapter"}})
+    log = PromptLog(layout.run_dir, draw=counter_draw(100))
+    stream = SampleStream(layout.run_dir).sibling(stream_name("m0"))
+    from dataclasses import replace
+
+    from miles_core.types import Group
+
+    claim = log.claim("m0", 4)  # groups 0..3: adapter-0 generated 0 and 2, adapter-1 1 and 3
+    groups = [Group([replace(s, adapter=f"adapter-{i % 2}") for s in _group(claim.group_index(i)).samples])
+              for i in range(4)]
+    stream.append(groups)
+    a0 = RunLayout(layout.run_dir, "adapters", "adapter-0")
+    a1 = RunLayout(layout.run_dir, "adapters", "adapter-1")
+    write_step(a0, 1, 1, [groups[0], groups[2]])
+    write_step(a1, 1, 1, [groups[1]])
+    from miles_core.multi_lora import adapter_reader
+
+    stream.reader(adapter_reader("adapter-0")).commit(0)
+    stream.reader(adapter_reader("adapter-1")).commit(0)  # passed group 3 without training it
+    result = audit(layout.run_dir, finished=True)
+    assert result.mode == "multi_lora" and result.adapters["adapter-0"].ok
+    assert result.adapters["adapter-0"].counts["trained"] == 2
+    assert result.adapters["adapter-0"].counts["another adapter's"] == 2
+    assert result.adapters["adapter-0"].tokens["generated"] == 2 * 4  # only its own groups' tokens
+    assert not result.ok and len(result.problems) == 1
+    assert result.problems[0].startswith(f"adapter adapter-1: group {claim.group_index(3)}")
+    assert "adapter-0 1, adapter-1 1" in format_audit(result)
+
+
+def _sync_run(tmp_path, draws: list[list[int]], cursors: list[tuple[int, int]], num_rows: int = 4):
+    """A sync run folder: step k trained groups of the prompt rows ``draws[k]``, its rollout's
+    cursor after drawing was ``cursors[k]`` (epoch, position)."""
+    from dataclasses import replace
+
+    from miles_core.types import Group
+
+    layout = RunLayout(str(tmp_path / "runs"), "toy", "sync")
+    layout.write_json("config.json", {"rollout": {}})
+    stream = SampleStream(layout.run_dir)
+    for k, (rows, (epoch, position)) in enumerate(zip(draws, cursors)):
+        groups = [Group([replace(s, prompt_index=row) for s in _group(k * 10 + i).samples]) for i, row in enumerate(rows)]
+        offset = stream.append([s for g in groups for s in g.samples])
+        write_step(layout, k + 1, k + 1, groups, segment=offset,
+                   cursor={"epoch": epoch, "position": position, "num_rows": num_rows, "retry": []})
+    return layout
+
+
+def test_a_sync_run_is_audited_epoch_by_epoch_from_its_prompt_cursor(tmp_path):
+    """4 prompts, 3 a step: epoch 0 is [2, 0, 3, 1], epoch 1 begins with [1, 3, ...]."""
+    good = _sync_run(tmp_path / "good", [[2, 0, 3], [1, 1, 3], [0, 2, 3]], [(0, 3), (1, 2), (2, 1)])
+    result = audit(good.run_dir, finished=True)
+    assert result.ok, format_audit(result)
+    assert result.counts["epochs completed"] == 2 and result.counts["trained"] == 9
+
+    # a resume that put the cursor back one step too far: step 2's prompts again in the same epoch
+    twice = _sync_run(tmp_path / "twice", [[2, 0, 3], [2, 0, 3]], [(0, 3), (0, 3)])
+    result = audit(twice.run_dir, finished=True)
+    assert "step 2: the prompt cursor moved by 0 prompts (to epoch 0 position 3) but it trained 3" in result.problems
+    assert "prompt row 2 trained twice in epoch 0: at steps 1 and 2" in result.problems
+
+    # a cursor that skipped prompts: drawn but never trained
+    skipped = _sync_run(tmp_path / "skipped", [[2, 0, 3], [1]], [(0, 3), (1, 3)])
+    problems = audit(skipped.run_dir, finished=True).problems
+    assert problems == ["step 2: the prompt cursor moved by 4 prompts (to epoch 1 position 3) but it trained 1"]

@@ -179,3 +179,26 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_next_older_one_is_used(tin
     older.write_bytes(b"")
     with pytest.raises(RuntimeError, match=r"(?s)none of its checkpoints can be loaded:\n.*step-000002: .*\n.*step-000001: "):
         RunSession(cfg, refs).resume()
+
+
+def test_a_run_killed_in_its_first_step_starts_again_from_the_first_prompts(tiny_model_dir, tmp_path):
+    """The first rollout drew its prompts (``state/data_source.json`` moved on) and the run died
+    before the step's metrics row: the same run id again draws those prompts again, none skipped,
+    even when the rollout side was built (it read the moved cursor) before the resume."""
+    cfg = _cfg(tiny_model_dir, str(tmp_path / "runs"))
+    refs = prepare_run(cfg, log=lambda *_: None)
+    killed = RunSession(cfg, refs)
+    try:
+        first = killed.rollouts.rollout(0)
+    finally:
+        killed.close()
+    assert first.source_state["position"] == cfg.rollout.rollout_batch_size
+    again = RunSession(cfg, refs)
+    try:
+        again.check_data()  # builds the prompt source, as a run does before it resumes
+        assert again.resume() is None
+        redone = again.rollouts.rollout(0)
+        assert _prompts(again, redone.offset) == _prompts(again, first.offset)
+        assert redone.source_state == first.source_state
+    finally:
+        again.close()

@@ -119,6 +119,37 @@ def test_collate_aligns_response_token_j_with_logits_position_prompt_len_plus_j_
         assert tb.loss_mask[i].sum() == (0 if s.reward is None else sum(s.loss_mask))
 
 
+def test_collate_fills_every_cell_as_the_layout_says_padding_included():
+    """Ragged rows, a failed sample, samples with and without rollout logprobs, a pad id of 7: every
+    cell of every tensor, checked against the layout of the module docstring one cell at a time."""
+    import random
+
+    rng = random.Random(3)
+    samples = []
+    for i in range(9):
+        prompt, response = [rng.randrange(2, 30) for _ in range(rng.randint(1, 5))], [rng.randrange(2, 30) for _ in
+                                                                                      range(rng.randint(1, 6))]
+        samples.append(Sample("p", prompt, response, reward=None if i == 4 else 1.0,
+                              loss_mask=[rng.randrange(2) for _ in response],
+                              rollout_logprobs=[-rng.random() for _ in response] if i % 2 else []))
+    tb, width = collate(samples, pad_id=7), max(s.total_len for s in samples)
+    for i, s in enumerate(samples):
+        ids, p = s.prompt_ids + s.response_ids, len(s.prompt_ids)
+        for c in range(width):
+            j = c - (p - 1)  # the response token column c predicts
+            response = 0 <= j < len(s.response_ids)
+            assert tb.input_ids[i, c] == (ids[c] if c < len(ids) else 7)
+            assert tb.attention_mask[i, c] == (c < len(ids))
+            assert tb.position_ids[i, c] == c
+            assert tb.labels[i, c] == (ids[c + 1] if c + 1 < len(ids) else 7)
+            assert tb.loss_mask[i, c] == (s.loss_mask[j] if response and s.reward is not None else 0)
+            want = s.rollout_logprobs[j] if response and s.rollout_logprobs else 0.0
+            assert tb.rollout_logprobs[i, c].item() == pytest.approx(want, abs=1e-7)
+        assert tb.lengths[i] == len(ids)
+    assert (tb.input_ids.dtype, tb.loss_mask.dtype, tb.rollout_logprobs.dtype) == (torch.long, torch.float32,
+                                                                                  torch.float32)
+
+
 def test_collate_rejects_mismatched_loss_mask():
     s = Sample("1+2=", [3, 4], [5, 1], reward=1.0, loss_mask=[1])
     with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 response tokens"):
@@ -524,3 +555,59 @@ def test_trainer_state_saves_and_loads_through_a_storage_outage(tiny_model_dir, 
     again.load(uri)
     assert again.version == trainer.version == 1
     assert_same_params(again, trainer, atol=0)
+
+
+def count_forwards(trainer):
+    calls = []
+    trainer.model.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("micro", [8, 3])
+def test_one_pass_old_logprobs_give_the_same_update_bit_for_bit_at_one_forward_less(tiny_model_dir, tmp_path,
+                                                                                      micro):
+    """A batch trained in one optimizer step: the loss pass's detached logprobs stand for the
+    no-grad recompute pass; the weights after the step are equal to the last bit."""
+    one, two = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro) for _ in range(2))
+    two._one_pass = lambda num_rows: False  # the separate no-grad pass, as before
+    batch = make_batch(REWARDS_A, logprob_model=one.model)
+    forwards_one, forwards_two = count_forwards(one), count_forwards(two)
+    m_one, m_two = one.step(batch), two.step(batch)
+    a, b = params(one), params(two)
+    changed = [k for k in a if not torch.equal(a[k], params(make_trainer(tiny_model_dir, tmp_path))[k])]
+    assert changed, "the step changed no weight: nothing was compared"
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    micro_batches = -(-8 // micro)
+    assert (len(forwards_one), len(forwards_two)) == (micro_batches, 2 * micro_batches)
+    for k in ("loss", "pg_loss", "grad_norm", "mismatch_kl", "train_rollout_logprob_abs_diff"):
+        assert m_one[k] == pytest.approx(m_two[k], abs=1e-7), k
+    assert m_one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m_one["clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("cfg", [{"num_steps_per_rollout": 2, "global_batch_size": None}, {"use_tis": True}, {"kl_coef": 0.1}])
+def test_the_old_logprob_pass_stays_where_the_denominator_is_needed_first(tiny_model_dir, tmp_path, cfg):
+    """Several optimizer steps (the later ones are off-policy), TIS weights, or a KL penalty in the
+    reward all need the old logprobs before the loss pass: the trainer still computes them."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, **cfg)
+    batch = make_batch(REWARDS_A, logprob_model=trainer.model)
+    forwards = count_forwards(trainer)  # the policy's passes (a KL reference is a frozen copy of its own)
+    trainer.step(batch)
+    assert len(forwards) == 1 + cfg.get("num_steps_per_rollout", 1) and not trainer._one_pass(8)
+
+
+def test_a_random_training_forward_keeps_the_separate_old_logprob_pass(tiny_model_dir, tmp_path):
+    """Dropout anywhere (a module, the attention's, a nested config's) or a router's jitter makes
+    the loss pass differ from an eval pass: the trainer keeps the separate pass."""
+    from miles_core.train.torch_trainer import _has_dropout
+
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    assert trainer._one_pass(8)
+    for setting in ({"attention_dropout": 0.1}, {"router_jitter_noise": 0.01},
+                    {"text_config": {"hidden_dropout": 0.1}}):
+        fresh = make_trainer(tiny_model_dir, tmp_path)
+        for key, value in setting.items():
+            setattr(fresh.model.config, key, value)
+        assert _has_dropout(fresh.model), setting
+    trainer.model.model.layers[0].self_attn.o_proj = torch.nn.Sequential(trainer.model.model.layers[0].self_attn.o_proj,
+                                                                          torch.nn.Dropout(0.1))
+    assert _has_dropout(trainer.model)

@@ -72,6 +72,29 @@ def test_zero2_takes_the_torch_trainers_steps(tiny_model_dir, tmp_path):
     assert_same_params(torch_trainer, ds, atol=1e-5)
 
 
+@pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (0, "bf16"), (2, "fp32"), (3, "fp32")])
+def test_a_non_finite_loss_is_never_applied_and_leaves_no_gradient_behind(tiny_model_dir, tmp_path, zero_stage,
+                                                                           precision):
+    """NaN advantages make every minibatch's loss NaN: no optimizer step is taken (each counted,
+    the version and the weights stay), and the next batch trains exactly as on a trainer that never
+    saw the poisoned one (no gradient left in DeepSpeed's buffers)."""
+    poisoned = make_batch(REWARDS_A)
+    poisoned.advantages = [float("nan")] * len(poisoned.advantages)
+    seen = ds_trainer(tiny_model_dir, FakeWeightStore(tmp_path), zero_stage=zero_stage, precision=precision, **STEP_CFG)
+    before = seen.weights()  # gathered (ZeRO-3 parameters are partitions)
+    metrics = seen.step(poisoned)
+    assert (metrics["num_optimizer_steps"], metrics["num_nonfinite_steps"]) == (0, 2), metrics
+    assert seen.version == 0 and all(torch.equal(before[k], v) for k, v in seen.weights().items())
+    fresh = ds_trainer(tiny_model_dir, FakeWeightStore(tmp_path), zero_stage=zero_stage, precision=precision, **STEP_CFG)
+    fresh._generator.set_state(seen._generator.get_state())  # the same minibatches from here on
+    for batch in batches(2):
+        want, got = fresh.step(batch), seen.step(batch)
+        assert got["loss"] == want["loss"] and got["num_optimizer_steps"] == 2
+    assert seen.version == fresh.version == 4
+    want, got = fresh.weights(), seen.weights()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 # ------------------------------------------------------------------------------------- ZeRO-3
 
 
