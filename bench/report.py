@@ -16,8 +16,10 @@ TITLES = {
     "fleet": "Rollout fleet: 1, 2, 4, 8 producers through S3 (bench/fleet.py)",
     "stream": "SampleStream vs raw fsspec (bench/stream.py)",
     "train_step": "Train step: torch vs DeepSpeed, full vs LoRA (bench/train_step.py)",
+    "train_step_profile": "Where a train step goes, beside the bare-torch limit (bench/train_step.py --profile)",
     "multi_lora": "Multi-LoRA: shared rollouts vs separate runs (bench/multi_lora.py)",
     "resume": "Checkpoints and resumes, per mode (bench/resume.py)",
+    "orchestration": "What Prefect costs a run, in CPU (bench/orchestration.py)",
 }
 
 

@@ -2,6 +2,9 @@
 
 Run: ``.venv/bin/python bench/train_step.py [--steps 5 --prompts 8 --hidden 384 --layers 4]``
 
+``--profile``: instead, where one step of the demo's run goes, part by part, beside the bare-torch
+limit (``bench/step_profile.py``; writes ``bench/results/train_step_profile.md``).
+
 The batch: ``--prompts`` groups of 8 samples (prompt 32 tokens, responses of 16-64 tokens, 0/1
 rewards; random tokens, seeded), one optimizer step per train step (the whole batch), micro-batches
 of ``--micro-batch`` samples, old logprobs recomputed (one no-grad forward pass), fp32 unless the case says bf16.
@@ -203,11 +206,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward pass")
     parser.add_argument("--only", nargs="*", help="run only cases whose name contains one of these")
+    parser.add_argument("--profile", action="store_true",
+                        help="break one training step of the demo's model into its parts (bench/step_profile.py)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         Path(args.out).write_text(json.dumps(run_case(json.loads(args.case))))
+        return
+    if args.profile:
+        import step_profile
+
+        table = step_profile.main(args.steps)
+        print(table)
+        out = ROOT / "bench" / "results" / "train_step_profile.md"
+        out.write_text(f"`.venv/bin/python bench/train_step.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
         return
 
     model_dir, vocab = bench_model(args.hidden, args.layers)
