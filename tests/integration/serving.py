@@ -1,6 +1,7 @@
 """Helpers for tests that serve deployments: ``wait_for`` polls a condition; ``served(argv, api_url)``
 runs a serving process (``flow.serve`` or ``miles serve``) against a Prefect API, stops it after,
-and prints the tail of its output (which is where a served run's errors are)."""
+and prints the tail of its output (which is where a served run's errors are); ``task_run_names``
+reads a flow run's task runs once the server has recorded the ones a test expects."""
 
 from __future__ import annotations
 
@@ -24,6 +25,30 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def task_run_names(flow_run_id, expected: set[str], timeout: float = 30) -> list[str]:
+    """The names of a flow run's task runs, once all of ``expected`` are among them. The server
+    records task runs from events in batches (flows/prefect_defaults.py), so the last ones of a
+    run appear up to a flush interval after the flow's own state does."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def names() -> list[str]:
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            return [t.name for t in runs]
+
+    found: list[str] = []
+
+    def recorded() -> bool:
+        found[:] = asyncio.run(names())
+        return expected <= set(found)
+
+    wait_for(recorded, timeout, f"task runs {sorted(expected - set(found))} of flow run {flow_run_id}")
+    return found
 
 
 @contextlib.contextmanager
