@@ -182,8 +182,8 @@ def _audit_multi_lora(run_dir: str, options, fs, root: str, raw: dict[str, Any],
         _check_entries(a, entries, fs, folder)
         result.adapters[name] = a
         result.problems += [f"adapter {name}: {p}" for p in a.problems]
-        result.steps += a.steps
-        result.tokens.update(a.tokens)
+        # steps and tokens stay the adapters' own: with a shared rollout every adapter trains on
+        # the same generated groups, so a sum over adapters would count them once per adapter
         result.counts.update({f"{name}: {k}": n for k, n in a.counts.items()})
     return result
 
@@ -410,11 +410,16 @@ def audit_line(a: dict[str, Any]) -> str:
     """An ``audit_at_end`` result in one markdown line (the summary artifact's)."""
     if "error" in a:
         return f"**not audited**: {a['error']}"
-    t = a["tokens"]
     counts = ", ".join(f"{n} {name}" for name, n in a["counts"].items())
     head = "OK" if a["ok"] else f"**{a['num_problems']} problem(s)**: {'; '.join(a['problems'][:3])}"
-    return (f"{head}; {counts}; tokens generated {t.get('generated', 0)} = trained {t.get('trained', 0)} + "
-            f"rejected {t.get('rejected', 0)} + abandoned {t.get('abandoned', 0)}")
+    tokens = ("; ".join(f"{name}: {_token_sum(x['tokens'])}" for name, x in a["adapters"].items()) if "adapters" in a
+              else _token_sum(a["tokens"]))
+    return f"{head}; {counts}; tokens {tokens}"
+
+
+def _token_sum(t: dict[str, int]) -> str:
+    return (f"generated {t.get('generated', 0)} = trained {t.get('trained', 0)} + rejected {t.get('rejected', 0)} + "
+            f"abandoned {t.get('abandoned', 0)}")
 
 
 def format_audit(a: Audit) -> str:
@@ -425,9 +430,9 @@ def format_audit(a: Audit) -> str:
     lines = [f"audit of {a.run_dir}: {'OK' if a.ok else 'PROBLEMS'} ({steps})"]
     for name, n in j["counts"].items():
         lines.append(f"  {name:<52} {n:>8}")
-    t = a.tokens
-    lines.append(f"  tokens: generated {t['generated']} = trained {t['trained']} + rejected {t['rejected']} + "
-                 f"abandoned {t['abandoned']}" + ("" if not j["token_balance"] else f" (off by {j['token_balance']})"))
+    for name, x in ({"": a} if not a.adapters else {f" of {n}": x for n, x in a.adapters.items()}).items():
+        balance = x.to_json()["token_balance"]
+        lines.append(f"  tokens{name}: {_token_sum(x.tokens)}" + ("" if not balance else f" (off by {balance})"))
     lines += [f"  problem: {p}" for p in a.problems[:50]]
     if len(a.problems) > 50:
         lines.append(f"  ... and {len(a.problems) - 50} more problems")

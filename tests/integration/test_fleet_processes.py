@@ -21,6 +21,49 @@ from test_modes import _rows, _run_cfg
 pytestmark = pytest.mark.integration
 
 
+def assert_prompts_exactly_once(run_dir: str, storage_options: dict | None = None) -> dict[str, int]:
+    """Over the whole run: each claimed prompt was written once (within its producer's fence), or
+    went back to the pool and was claimed again; no group was written twice. Returns counts. It
+    re-derives, from the prompt log and the segments alone, what the run's own audit says
+    (miles_core/ledger.py), so a bug in the audit does not pass unseen."""
+    from miles_core.rollout.fleet import ControlPlane, PromptLog, stream_name
+    from miles_core.storage import SampleStream
+
+    control, log = ControlPlane(run_dir, storage_options), PromptLog(run_dir, storage_options)
+    entries = log.entries()
+    written: dict[int, int] = {}  # group index -> prompt row, over every producer's readable segments
+    for producer in control.heartbeats():
+        fence = control.fence_of(producer)
+        stream = SampleStream(run_dir, producer=stream_name(producer), storage_options=storage_options)
+        for segment in stream.read():
+            if fence is not None and segment.offset > fence:
+                continue  # the trainer never reads past a fence
+            for s in segment.samples():
+                assert written.setdefault(s.group_index, s.prompt_index) == s.prompt_index
+    groups_per_row: dict[int, int] = {}
+    for g, row in written.items():
+        groups_per_row[row] = groups_per_row.get(row, 0) + 1
+    released: dict[int, int] = {}
+    for e in entries:
+        if e.kind == "release":
+            for row in e.rows:
+                released[row] = released.get(row, 0) + 1
+    lost = []
+    for e in entries:
+        if e.kind != "claim":
+            continue
+        for i, row in enumerate(e.rows):
+            later_release = any(r.kind == "release" and r.seq > e.seq and row in r.rows for r in entries)
+            if e.group_index(i) not in written and not later_release:
+                lost.append((e.producer, e.seq, row))
+    assert not lost, f"claimed prompts neither written nor given back: {lost[:10]}"
+    twice = {row: n for row, n in groups_per_row.items() if n > 1 + released.get(row, 0)}
+    assert not twice, f"prompts generated more often than they were given back: {twice}"
+    return {"claims": sum(e.kind == "claim" for e in entries), "released": sum(released.values()),
+            "groups_written": len(written)}
+
+
+
 def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backend, demo_model, tmp_path):
     from flows.train import train
     from miles_core.rollout.fleet import ControlPlane
@@ -80,6 +123,7 @@ def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backe
     assert audit["ok"], audit["problems"]
     assert audit["counts"]["trained"] == 14 * 16 and audit["token_balance"] == 0
     assert audit["counts"].get("in flight at the end", 0) == 0
+    assert assert_prompts_exactly_once(summary["run_dir"])["groups_written"] >= 14 * 16
     rows = _rows(str(run_dir), "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 15))
     assert max(r["async/producer_deaths"] for r in rows) == 1

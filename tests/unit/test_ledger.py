@@ -96,6 +96,33 @@ def test_a_multi_lora_run_is_audited_per_adapter_over_its_own_groups(tmp_path):
     assert "adapter-0 1, adapter-1 1" in format_audit(result)
 
 
+def test_a_shared_rollout_is_counted_once_per_adapter_not_summed(tmp_path):
+    """Shared rollout: both adapters train the same 2 groups (8 response tokens). Each adapter's
+    balance holds; the run's totals are not the sum over adapters (that counted the groups twice)."""
+    layout = RunLayout(str(tmp_path / "runs"), "toy", "ml")
+    layout.write_json("config.json", {"multi_lora": {"n_adapters": 2, "rollout_source": "shared"}})
+    log = PromptLog(layout.run_dir, draw=counter_draw(100))
+    stream = SampleStream(layout.run_dir).sibling(stream_name("m0"))
+    claim = log.claim("m0", 2)
+    groups = [_group(claim.group_index(i)) for i in range(2)]
+    stream.append(groups)
+    from miles_core.ledger import audit_line
+    from miles_core.multi_lora import adapter_reader
+
+    for name in ("adapter-0", "adapter-1"):
+        write_step(RunLayout(layout.run_dir, "adapters", name), 1, 1, groups)
+        stream.reader(adapter_reader(name)).commit(0)
+    result = audit(layout.run_dir, finished=True)
+    assert result.ok, format_audit(result)
+    for name in ("adapter-0", "adapter-1"):
+        assert result.adapters[name].tokens["generated"] == result.adapters[name].tokens["trained"] == 8
+    assert result.tokens["generated"] == 0 and result.steps == 0  # nothing summed across adapters
+    text = format_audit(result)
+    assert "tokens of adapter-0: generated 8 = trained 8" in text and "tokens of adapter-1: generated 8" in text
+    line = audit_line(result.to_json())
+    assert "adapter-0: generated 8 = trained 8" in line and "adapter-1: generated 8 = trained 8" in line
+
+
 def _sync_run(tmp_path, draws: list[list[int]], cursors: list[tuple[int, int]], num_rows: int = 4):
     """A sync run folder: step k trained groups of the prompt rows ``draws[k]``, its rollout's
     cursor after drawing was ``cursors[k]`` (epoch, position)."""
