@@ -1,5 +1,3 @@
 """Ways to start runs: the ``miles`` CLI, the Python API, deployments and servers."""
 
-from flows import prefect_defaults
-
-prefect_defaults.apply()
+import flows  # noqa: F401  (applies the Prefect settings a run gets: flows/prefect_defaults.py)

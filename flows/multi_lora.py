@@ -28,6 +28,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run
 from miles_core.config import RunConfig
@@ -61,20 +62,21 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
     if session.resume_error is not None:  # its trainer could not be built or put back
         raise session.resume_error
     total = cfg.rollout.num_rollout
+    c = quote(cfg)  # as in flows/train.py: the tasks' config, not introspected by Prefect on every call
     for step in range(start, total):
         if stop_requested():  # Ctrl-C or SIGTERM of `miles train-multi-lora`
             raise _stopped(cfg, refs, name, step)
         t0 = time.perf_counter()
         try:
-            ref = train_adapter(cfg, refs, name, step)
+            ref = train_adapter(c, refs, name, step)
         except RunStopped:  # asked to stop while waiting for data: the groups it read stay for a resumed run
             raise _stopped(cfg, refs, name, step) from None
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
         if _eval_due(cfg, step):
-            row["eval_accuracy"] = evaluate_adapter(cfg, refs, name, step + 1)["accuracy"]
+            row["eval_accuracy"] = evaluate_adapter(c, refs, name, step + 1)["accuracy"]
         session.history.record(step + 1, row)
         if checkpoint_due(cfg, step + 1):
-            save_adapter_checkpoint(cfg, refs, name, step + 1)
+            save_adapter_checkpoint(c, refs, name, step + 1)
         line = (f"{name} step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f}"
                 f" | waited {row['trainer_wait_seconds']:.1f}s | staleness max {row.get('staleness_max', 0):.0f}")
         if "eval_accuracy" in row:

@@ -7,7 +7,10 @@ imported; the client one (the ephemeral start timeout) only when applied first.
 
 Measured with ``bench/orchestration.py`` (docs/benchmarks.md): with Prefect's own settings its
 server spent 125 ms of CPU per sync step of the toy run, most of it recording task-run events one
-at a time (py-spy: SQLAlchemy compiling one insert per event); with the batches below, 53 ms.
+at a time (py-spy: SQLAlchemy compiling one insert per event); with the batches below, 53 ms. The
+run's whole CPU per step fell 6% (515 -> 484 ms); its step time did not fall (0.376 -> 0.416 s in
+that one run: the server was not on the step's critical path). Prefect's share of the run's CPU is
+15.6% with these settings, against a goal of 5%.
 """
 
 from __future__ import annotations
