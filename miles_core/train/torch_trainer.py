@@ -298,16 +298,21 @@ class TorchTrainer:
         denom = reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
         if denom == 0:  # every sample in it is failed or fully masked: nothing to learn from
             return None
-        sums: dict[str, float] = defaultdict(float)
+        parts: dict[str, list[Tensor]] = defaultdict(list)  # summed on the device, read back once
+        loss_device = self.params[0].device
         for mb in self._micro_batches(minibatch):
             if not mb.loss_mask.any():
                 continue
             loss, metrics = self._micro_loss(mb, denom, temperature)
             loss.backward()
             for k, v in metrics.items():
-                sums[k] += float(v)
+                parts[k].append(torch.as_tensor(v, dtype=torch.float64, device=loss_device).detach())
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else math.inf
-        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).double()
+        names = list(parts)
+        values = torch.stack([torch.stack(parts[k]).sum() for k in names] + [grad_norm.to(loss_device)]).tolist()
+        sums = dict(zip(names, values[:-1]))
+        sums["grad_norm"] = values[-1]
         if not math.isfinite(sums["grad_norm"]):  # a NaN or infinite loss or gradient: never applied
             self.optimizer.zero_grad(set_to_none=True)
             return {"nonfinite": 1.0}
