@@ -21,10 +21,19 @@ background threads, inside the run's process) cannot be told apart from the work
 measured on a replica: the same flow shape (the run's three tasks per step, with the same config
 argument, one log line per step, the progress artifact policy) with empty task bodies, in its own
 process; its CPU per step is Prefect's client cost. Prefect's share = (server + client) / the
-run's whole CPU per step. After each run a new process reads the run's task runs back from the
+run's whole CPU per step. The replica also runs with 0 and 1 task runs a step, its server's CPU
+measured too: the cost of one task run, and the floor the idle server sets. After each run a new process reads the run's task runs back from the
 database: every one should be COMPLETED.
 
-Goal (issue 15): Prefect's share (client and server) under 5% of the run's CPU.
+Goal (issue 15): Prefect's share (client and server) under 5% of the run's CPU. Not met. What the
+replica rows said on 2026-12-03 (toy steps of 0.42 s and 491 ms of CPU): Prefect 3.9's idle
+ephemeral server alone is 2.1% of the run; one task run a step, its log line and progress
+artifact 11%; each further task run about 23 ms (4.7%). So at this step length no flow with a task
+run per step is under 5%; Prefect's cost per step is about fixed (~100 ms), so a step of more than 2 s
+of CPU is under 5% with the run's three tasks. Turning off the server's loop services (scheduler,
+late runs, foreman, pause expirations, repossessor, triggers, cancellation cleanup) saved nothing
+measurable in the replica.
+
 Writes ``bench/results/orchestration.md``.
 """
 
@@ -159,6 +168,7 @@ def _task_runs(home: str, variant: str) -> dict[str, float]:
 
 REPLICA = '''
 import os, sys, time
+import psutil
 sys.path.insert(0, {root!r})
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -170,7 +180,7 @@ from flows.train import PROGRESS_EVERY_S
 from miles_core.config import RunConfig
 import tomllib
 cfg = RunConfig.model_validate(tomllib.load(open("configs/toy.toml", "rb")))
-STEPS = {steps}
+STEPS, TASKS = {steps}, {tasks}
 
 @task(name="rollout", cache_policy=NO_CACHE, task_run_name="rollout-{{step}}")
 def rollout(cfg, refs, step): return step
@@ -179,38 +189,56 @@ def train_step(cfg, refs, step): return step
 @task(name="push-weights", cache_policy=NO_CACHE, task_run_name="push-weights-v{{step}}")
 def push_weights(cfg, refs, step): return 0.0
 
+def server_cpu():  # the ephemeral server: a child process of this one
+    total = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
 @flow(name="replica")
 def replica(cfg):
     log = get_run_logger()
     progress = create_progress_artifact(0.0, key=None)
     c = quote(cfg)
     rollout(c, None, -1)  # warm
-    t0, at = time.process_time(), time.monotonic()
+    time.sleep(2)  # the warm-up's events recorded before the window
+    t0, s0, at = time.process_time(), server_cpu(), time.monotonic()
     for step in range(STEPS):
-        r = rollout(c, None, step)
-        t = train_step(c, None, r)
-        push_weights(c, None, t)
-        log.info("step %d/%d | reward 0.5", step + 1, STEPS)
-        if step + 1 == STEPS or time.monotonic() - at >= PROGRESS_EVERY_S:
-            update_progress_artifact(progress, 100.0 * (step + 1) / STEPS); at = time.monotonic()
+        if TASKS >= 1:
+            r = rollout(c, None, step)
+        if TASKS >= 3:
+            t = train_step(c, None, r)
+            push_weights(c, None, t)
+        if TASKS:
+            log.info("step %d/%d | reward 0.5", step + 1, STEPS)
+            if step + 1 == STEPS or time.monotonic() - at >= PROGRESS_EVERY_S:
+                update_progress_artifact(progress, 100.0 * (step + 1) / STEPS); at = time.monotonic()
         time.sleep({step_s})  # the real run's step time: the progress artifact's pace, the log worker's batches
-    return time.process_time() - t0
+    time.sleep(2)  # the last batches flushed (recorder and persister: every second)
+    return time.process_time() - t0, server_cpu() - s0
 
-print("CLIENT", replica(cfg))
+client, server = replica(cfg)
+print("CLIENT", client, "SERVER", server)
 '''
 
 
-def replica_client(steps: int, step_s: float, work: str) -> float:
-    """Prefect's client CPU per step: the replica's process CPU in its loop (its server is a child
-    process, not counted), per step."""
+def replica(steps: int, step_s: float, work: str, tasks: int = 3) -> tuple[float, float]:
+    """Prefect's (client, server) CPU per step on the replica with ``tasks`` task runs a step (0: an
+    idle flow, 1: one task run, a log line and the progress artifact, 3: the run's shape): the
+    replica's own process CPU in its loop, and its ephemeral server's."""
     home = tempfile.mkdtemp(prefix="prefect-home-", dir=work)
-    code = REPLICA.format(root=str(ROOT), steps=steps, step_s=step_s)
+    code = REPLICA.format(root=str(ROOT), steps=steps, step_s=step_s, tasks=tasks)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(home, "ours"), capture_output=True,
                          text=True, timeout=600)
     line = [x for x in out.stdout.splitlines() if x.startswith("CLIENT")]
     if not line:
         raise SystemExit("the replica failed:\n" + out.stdout[-2000:] + out.stderr[-2000:])
-    return float(line[0].split()[1]) / steps
+    _, client, _, server = line[0].split()
+    return float(client) / steps, float(server) / steps
 
 
 def main() -> None:
@@ -221,7 +249,8 @@ def main() -> None:
     load0 = os.getloadavg()
     variants = ["Prefect's defaults", "ours"]
     runs = {v: real_run(v, args.steps, work) for v in variants}
-    client = replica_client(args.steps, runs["ours"]["step_s"], work)
+    shapes = {n: replica(args.steps, runs["ours"]["step_s"], work, tasks=n) for n in (0, 1, 3)}
+    client = shapes[3][0]
     load1 = os.getloadavg()
 
     def ms(x: float) -> str:
@@ -252,6 +281,21 @@ def main() -> None:
         f"| | {variants[0]} | {variants[1]} | ours / Prefect's |",
         "|---|---:|---:|---:|",
         *[f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows],
+    ]
+    (c0, s0), (c1, s1), (c3, s3) = shapes[0], shapes[1], shapes[3]
+    marginal = (c3 + s3 - c1 - s1) / 2
+    lines += [
+        "",
+        "Where Prefect's cost comes from: the replica (empty tasks, the same pace) with 0, 1 and 3 task runs a step "
+        "(1 and 3 also log the step line and keep the progress artifact), CPU per step (ms), and as a share of the "
+        "real run's CPU per step (ours).",
+        "",
+        "| replica | client | server | client + server | share of the run's CPU |",
+        "|---|---:|---:|---:|---:|",
+        *[f"| {name} | {ms(c)} | {ms(srv)} | {ms(c + srv)} | {(c + srv) / b['total']:.1%} |"
+          for name, (c, srv) in (("idle flow (0 task runs)", (c0, s0)), ("1 task run a step", (c1, s1)),
+                                 ("3 task runs a step (the run's shape)", (c3, s3)))],
+        f"| each task run beyond the first (from 1 -> 3) | | | {ms(marginal)} | {marginal / b['total']:.1%} |",
     ]
     text = "\n".join(lines)
     print(text)

@@ -258,7 +258,7 @@ class PromptLog:
         already declared it dead (that release gave back everything it had not written)."""
 
         def entry(last: Claim | None) -> Claim | None:
-            if any(c.fenced and c.producer == producer for c in self._entries):
+            if self.released_dead(producer):
                 return None
             return self._release_entry(last, list(groups.values()), list(groups), reason, producer)
 
@@ -270,7 +270,7 @@ class PromptLog:
         against the whole log before the entry, so a release of its own racing this one is seen)."""
 
         def entry(last: Claim | None) -> Claim | None:
-            if any(c.fenced and c.producer == producer for c in self._entries):
+            if self.released_dead(producer):
                 return None
             done = set(settled)
             for c in self._entries:
@@ -282,6 +282,10 @@ class PromptLog:
             return release
 
         return self._append(entry)
+
+    def released_dead(self, producer: str) -> bool:
+        """Whether the trainer has given back what dead ``producer`` left (of the entries read so far)."""
+        return any(c.fenced and c.producer == producer for c in self._entries)
 
     def owned(self, producer: str) -> dict[int, int]:
         """Group index -> row of every prompt ``producer`` took: its claims and what it adopted,
@@ -634,6 +638,9 @@ class FleetMonitor:
         write there."""
         w.dead = why
         fence = self.fence_at(w.producer, last_offset, why)
+        if self.log.released_dead(w.producer):  # an earlier start did it: no need to read its stream again
+            w.released = 0
+            return
         released = self.log.release_unwritten(w.producer, self.written(w.producer, fence) | set(keep),
                                               reason=f"producer {w.producer} died")
         w.released = len(released.rows) if released is not None else 0
