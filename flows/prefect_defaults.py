@@ -5,12 +5,12 @@ first imported, and a server reads its settings from its environment when it sta
 server is a child of the run's process), so the server settings work even after Prefect is
 imported; the client one (the ephemeral start timeout) only when applied first.
 
-Measured with ``bench/orchestration.py`` (docs/benchmarks.md): with Prefect's own settings its
-server spent 125 ms of CPU per sync step of the toy run, most of it recording task-run events one
-at a time (py-spy: SQLAlchemy compiling one insert per event); with the batches below, 53 ms. The
-run's whole CPU per step fell 6% (515 -> 484 ms); its step time did not fall (0.376 -> 0.416 s in
-that one run: the server was not on the step's critical path). Prefect's share of the run's CPU is
-15.6% with these settings, against a goal of 5%.
+Measured with ``bench/orchestration.py`` (docs/benchmarks.md, 2026-12-03): with Prefect's own
+settings its server spent 168 ms of CPU per sync step of the toy run, most of it recording
+task-run events one at a time (py-spy: SQLAlchemy compiling one insert per event); with the
+batches below, 65 ms. The run's whole CPU per step fell from 644 to 491 ms. Prefect's share of the
+run's CPU is 18.9% with these settings (30.4% with its own), against a goal of 5% that no flow
+with a task run per 0.4 s step reaches (the bench's replica rows: one task run a step is 11%).
 """
 
 from __future__ import annotations
