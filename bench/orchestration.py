@@ -22,8 +22,8 @@ measured on a replica: the same flow shape (the run's three tasks per step, with
 argument, one log line per step, the progress artifact policy) with empty task bodies, in its own
 process; its CPU per step is Prefect's client cost. Prefect's share = (server + client) / the
 run's whole CPU per step. The replica also runs with 0 and 1 task runs a step, its server's CPU
-measured too: the cost of one task run, and the floor the idle server sets. After each run a new process reads the run's task runs back from the
-database: every one should be COMPLETED.
+measured too: the cost of one task run, and the floor the idle server sets. After each run a new
+process reads the run's task runs back from the database: every one should be COMPLETED.
 
 Goal (issue 15): Prefect's share (client and server) under 5% of the run's CPU. Not met. What the
 replica rows said on 2026-12-03 (toy steps of 0.42 s and 491 ms of CPU): Prefect 3.9's idle

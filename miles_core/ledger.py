@@ -111,12 +111,14 @@ class Audit:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        balance = self.tokens["generated"] - self.tokens["trained"] - self.tokens["rejected"] - self.tokens["abandoned"]
-        out = {"ok": self.ok, "mode": self.mode, "steps": self.steps, "counts": dict(sorted(self.counts.items())),
-               "tokens": dict(self.tokens), "token_balance": balance, "problems": self.problems[:50],
-               "num_problems": len(self.problems)}
-        if self.adapters:
+        out = {"ok": self.ok, "mode": self.mode, "counts": dict(sorted(self.counts.items())),
+               "problems": self.problems[:50], "num_problems": len(self.problems)}
+        if self.adapters:  # steps and tokens are each adapter's (a shared rollout's groups are every adapter's)
             out["adapters"] = {name: a.to_json() for name, a in self.adapters.items()}
+        else:
+            t = self.tokens
+            out.update(steps=self.steps, tokens=dict(t),
+                       token_balance=t["generated"] - t["trained"] - t["rejected"] - t["abandoned"])
         return out
 
 
@@ -182,8 +184,6 @@ def _audit_multi_lora(run_dir: str, options, fs, root: str, raw: dict[str, Any],
         _check_entries(a, entries, fs, folder)
         result.adapters[name] = a
         result.problems += [f"adapter {name}: {p}" for p in a.problems]
-        # steps and tokens stay the adapters' own: with a shared rollout every adapter trains on
-        # the same generated groups, so a sum over adapters would count them once per adapter
         result.counts.update({f"{name}: {k}": n for k, n in a.counts.items()})
     return result
 
@@ -430,7 +430,7 @@ def format_audit(a: Audit) -> str:
     lines = [f"audit of {a.run_dir}: {'OK' if a.ok else 'PROBLEMS'} ({steps})"]
     for name, n in j["counts"].items():
         lines.append(f"  {name:<52} {n:>8}")
-    for name, x in ({"": a} if not a.adapters else {f" of {n}": x for n, x in a.adapters.items()}).items():
+    for name, x in ({f" of {n}": x for n, x in a.adapters.items()} or {"": a}).items():
         balance = x.to_json()["token_balance"]
         lines.append(f"  tokens{name}: {_token_sum(x.tokens)}" + ("" if not balance else f" (off by {balance})"))
     lines += [f"  problem: {p}" for p in a.problems[:50]]

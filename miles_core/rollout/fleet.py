@@ -638,7 +638,7 @@ class FleetMonitor:
         write there."""
         w.dead = why
         fence = self.fence_at(w.producer, last_offset, why)
-        if self.log.released_dead(w.producer):  # an earlier start did it: no need to read its stream again
+        if self.log.released_dead(w.producer):  # done before (often by an earlier start): its stream is not read again
             w.released = 0
             return
         released = self.log.release_unwritten(w.producer, self.written(w.producer, fence) | set(keep),

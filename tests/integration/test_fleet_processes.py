@@ -63,7 +63,6 @@ def assert_prompts_exactly_once(run_dir: str, storage_options: dict | None = Non
             "groups_written": len(written)}
 
 
-
 def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backend, demo_model, tmp_path):
     from flows.train import train
     from miles_core.rollout.fleet import ControlPlane
