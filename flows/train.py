@@ -124,6 +124,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         progress_at = time.monotonic()
         steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
+            if cfg.mode == "fully_async":  # the producers start (processes: seconds) while the start is evaluated
+                launch_producers(cfg, refs)
             before = _before_training(cfg, refs, session, start, log)
             for step, row, r in steps(cfg, refs, session, start):
                 reward_errors = row.pop(REWARD_ERRORS, [])
@@ -226,11 +228,11 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
 
 
 def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, None]]:
-    """``launch-producers`` starts the run's rollout fleet (child processes, or flow runs of
-    ``async_rollout.rollout_deployment``), which talks to the trainer only through the run folder;
-    each ``train-k`` takes the next ``rollout_batch_size`` trainable groups from the producers'
-    streams. Producers load new versions themselves; ``stop-producers`` ends them."""
-    launch_producers(cfg, refs)
+    """The run's rollout fleet (child processes, or flow runs of ``async_rollout.rollout_deployment``),
+    started by ``launch-producers`` before the starting policy's evaluation, talks to the trainer
+    only through the run folder; each ``train-k`` takes the next ``rollout_batch_size`` trainable
+    groups from the producers' streams. Producers load new versions themselves; ``stop-producers``
+    ends them."""
     c = quote(cfg)  # as in _sync_steps
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()

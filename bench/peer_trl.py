@@ -1,0 +1,303 @@
+"""Benchmark: our sync, async and fully-async runs against Hugging Face TRL's ``GRPOTrainer`` on the
+same work, to the same accuracy, side by side in one invocation.
+
+Run: ``.venv/bin/python bench/peer_trl.py [--steps 60 --seeds 0 1 2 --systems trl,sync,async,fully_async]``
+
+The first run creates TRL's own virtual environment under ``.cache/peer-trl`` (``trl==1.16.0``
+with this project's torch and transformers, about 2 minutes from the package registry); TRL runs
+there, in ``bench/peer_trl_worker.py``, which imports nothing of this project.
+
+Workload, identical for every system: the built-in warm-started tiny model (``builtin:tiny-addition``),
+toy addition, ``--prompts`` prompts x 8 samples a step, responses of at most ``--max-len`` tokens at
+temperature 1, GRPO (PPO clip 0.2, group-normalised advantages, token-mean loss, no KL, one
+optimizer step per batch), AdamW at constant ``--lr`` with betas (0.9, 0.99), gradient clipping 1.0,
+micro-batches of 64 samples, fp32. TRL gets the same training rows, its defaults otherwise except
+gradient checkpointing off (on by default in TRL; it only slows a model this small).
+
+Resources: TRL and our sync run generate in the training process (TRL: ``model.generate``; ours:
+the in-process transformers engine), one torch thread. Our async modes use the machine's second
+core, as they are meant to: the rollout engine is a process of its own speaking SGLang's HTTP
+protocol, pinned to core 1, the trainer left to the scheduler, one torch thread each (fully async:
+the producer process on core 1 too). CPU-seconds are the whole process tree's (Prefect's server
+included), start-up included.
+
+Evaluation, one for all: each system saves the policy after every ``--snapshot-every`` steps;
+afterwards this script scores every snapshot with the same greedy exact-match evaluation
+(``miles_core.models.tiny.greedy_accuracy``) on the first ``--eval-prompts`` held-out problems.
+No evaluation runs while a system trains. Training seconds: TRL's clock from the start of
+``train()`` to the end of each step (snapshot saves taken out); ours: the sum of the run's step
+times. Time to ``+d``: the training seconds at the first snapshot whose accuracy is at least the
+starting accuracy + d (median over seeds; "n/a" if a seed never got there). Seeds are
+interleaved (seed 0 of every system, then seed 1, ...) so load drifts hit all systems alike.
+Writes the table to ``bench/results/peer_trl.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TRL_VERSION = "1.16.0"
+TRL_VENV = ROOT / ".cache" / "peer-trl"
+SYSTEMS = ("trl", "sync", "async", "fully_async")
+ADAM_BETAS = (0.9, 0.99)
+
+
+def ensure_trl_venv() -> Path:
+    """TRL's interpreter, creating its virtual environment on first use (same torch and transformers
+    as ours, so the comparison is of the trainers, not of library versions)."""
+    import torch
+    import transformers
+
+    python = TRL_VENV / "bin" / "python"
+    check = [str(python), "-c", "import trl, sys; sys.exit(trl.__version__ != %r)" % TRL_VERSION]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    print(f"creating {TRL_VENV} with trl=={TRL_VERSION} (one time, ~2 min) ...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    torch_version = torch.__version__.split("+")[0]
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={torch_version}", f"trl=={TRL_VERSION}",
+                    f"transformers=={transformers.__version__}"], check=True)
+    return python
+
+
+def _spec(args: argparse.Namespace, seed: int, model_dir: str, out: Path) -> dict:
+    return {"model": model_dir, "out": str(out), "seed": seed, "steps": args.steps, "snapshot_every": args.snapshot_every,
+            "lr": args.lr, "adam_beta1": ADAM_BETAS[0], "adam_beta2": ADAM_BETAS[1], "clip_grad": 1.0,
+            "micro_batch": 64, "prompts": args.prompts, "samples": 8, "max_len": args.max_len, "temperature": 1.0,
+            "eps_clip": 0.2, "threads": 1}
+
+
+def _run_child(cmd: list[str], log: Path) -> dict:
+    """Run one system as a child process; its tree's CPU-seconds and largest peak RSS from wait4."""
+    with log.open("w") as f:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    return {"cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "wall": time.perf_counter() - t0}
+
+
+def run_trl(python: Path, spec: dict) -> dict:
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(spec))
+    usage = _run_child([str(python), str(ROOT / "bench" / "peer_trl_worker.py"), str(out / "spec.json")], out / "log.txt")
+    result = json.loads((out / "result.json").read_text())
+    snapshots = {int(p.stem.split("-")[1]): str(p) for p in (out / "snapshots").glob("step-*.safetensors")}
+    return {"seconds": result["seconds"], "snapshots": snapshots, **usage, "versions": result["versions"]}
+
+
+def run_ours(mode: str, spec: dict) -> dict:
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps({**spec, "mode": mode}))
+    usage = _run_child([sys.executable, str(Path(__file__).resolve()), "--ours", str(out / "spec.json")], out / "log.txt")
+    run_dir = Path((out / "run_dir.txt").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed, seconds = 0.0, []
+    for r in rows:
+        elapsed += r["step_seconds"]
+        seconds.append(elapsed)
+    snapshots = {}
+    for step in range(spec["snapshot_every"], spec["steps"] + 1, spec["snapshot_every"]):
+        path = run_dir / "weights" / f"v{step:06d}" / "model.safetensors"
+        if not path.exists():
+            raise SystemExit(f"{mode}: weight version {step} is missing under {run_dir / 'weights'}")
+        snapshots[step] = str(path)
+    return {"seconds": seconds, "snapshots": snapshots, **usage, "staleness": max(r.get("staleness_max", 0.0) for r in rows)}
+
+
+def ours_child(spec_path: str) -> None:
+    """The child process of one of our runs (``--ours SPEC``): the same workload through ``flows.train``."""
+    spec = json.loads(Path(spec_path).read_text())
+    mode = spec["mode"]
+    import torch
+
+    from flows.train import train
+    from miles_core.config import RunConfig
+
+    # the engine server (and the fully-async producer) on core 1; the trainer is left to the
+    # scheduler (pinning it to core 0 would pin the Prefect server it starts there too)
+    two_cores = mode != "sync" and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1
+    torch.set_num_threads(1)
+    engine = ({"type": "sglang", "launch": "hf-server", "cpu_affinity": [1], "num_threads": 1} if two_cores
+              else {"type": "hf", "num_threads": 1})
+    cfg = RunConfig.model_validate({
+        "name": f"peer-trl-{mode}",
+        "mode": mode,
+        "seed": spec["seed"],
+        "model": {"path": spec["model"]},
+        "data": {"type": "toy", "seed": spec["seed"]},
+        "rollout": {"num_rollout": spec["steps"], "rollout_batch_size": spec["prompts"],
+                    "n_samples_per_prompt": spec["samples"], "rollout_max_response_len": spec["max_len"],
+                    "rollout_temperature": spec["temperature"]},
+        "train": {"lr": spec["lr"], "adam_beta1": spec["adam_beta1"], "adam_beta2": spec["adam_beta2"],
+                  "clip_grad": spec["clip_grad"], "micro_batch_size": spec["micro_batch"]},
+        "engine": engine,
+        # the run's own evaluations (before and after training, on a separate engine, as by default)
+        # are outside the training clock; the table's accuracies come from evaluate() below
+        "eval": {"eval_interval": None, "num_prompts": 64},
+        "async_rollout": {"producer_cpu_affinity": [1] if two_cores else None},
+        "storage": {"root": str(Path(spec["out"]) / "runs")},
+    })
+    summary = train(cfg)
+    (Path(spec["out"]) / "run_dir.txt").write_text(str(summary["run_dir"]))
+
+
+def evaluate(snapshots: dict[int, str], model_dir: str, rows: list[dict], max_len: int) -> dict[int, float]:
+    """Greedy exact-match accuracy of each snapshot (step -> accuracy), one evaluator for all systems."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles_core.models.tiny import greedy_accuracy
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    acc = {0: greedy_accuracy(model, tokenizer, rows, max_new_tokens=max_len)}
+    for step, path in sorted(snapshots.items()):
+        state = load_file(path)
+        missing, unexpected = model.load_state_dict({**start, **state}, strict=False)
+        if unexpected:
+            raise SystemExit(f"{path}: tensors the model does not have: {unexpected[:5]}")
+        acc[step] = greedy_accuracy(model, tokenizer, rows, max_new_tokens=max_len)
+    return acc
+
+
+def steps_to(acc: dict[int, float], delta: float) -> int | None:
+    """The first snapshot's step at or above the starting accuracy + ``delta`` (None: never)."""
+    return next((step for step in sorted(acc) if step and acc[step] >= acc[0] + delta - 1e-9), None)
+
+
+def time_to(result: dict, acc: dict[int, float], delta: float) -> float | None:
+    step = steps_to(acc, delta)
+    return None if step is None else result["seconds"][step - 1]
+
+
+def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple[float, float], versions: dict) -> str:
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    fmt = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+    deltas = args.deltas
+    samples = args.prompts * 8
+    head = " | ".join(f"s to +{d:g} (median; per seed)" for d in deltas)
+    lines = [
+        f"Workload: toy addition, built-in tiny model, {args.steps} steps of {args.prompts} prompts x 8 samples, at most "
+        f"{args.max_len} response tokens, temperature 1, lr {args.lr:g} constant, AdamW betas {ADAM_BETAS}, no KL, fp32, "
+        f"one torch thread a process; seeds {args.seeds}, interleaved; every {args.snapshot_every} steps scored by one "
+        f"greedy evaluation on {args.eval_prompts} held-out problems. TRL {versions.get('trl', '?')} (transformers "
+        f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}). Load average {load[0]:.2f} before, "
+        f"{load[1]:.2f} after.",
+        "",
+        f"| system | cores | step (median s) | completions/s | steps to +{deltas[-1]:g} (median) | {head} | "
+        "accuracy start -> end (per seed) | "
+        "run wall s | CPU-s per run | peak RSS MB | vs TRL, time to the last target |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(deltas) + "---|---:|---:|---:|---:|",
+    ]
+    to_last = {}
+    for system, runs in results.items():
+        steps = [b - a for r in runs for a, b in zip([0.0, *r["seconds"]], r["seconds"])][2:]
+        step = med(steps)
+        cells = []
+        for d in deltas:
+            per = [time_to(r, r["acc"], d) for r in runs]
+            reached = [p for p in per if p is not None]
+            m = med(reached) if len(reached) == len(per) else None
+            cells.append(f"{fmt(m)} ({', '.join(fmt(p) for p in per)})")
+            if d == deltas[-1]:
+                to_last[system] = m
+        per_steps = [steps_to(r["acc"], deltas[-1]) for r in runs]
+        steps_cell = "n/a" if None in per_steps else f"{statistics.median(per_steps):g}"
+        accs = ", ".join(f"{r['acc'][0]:.3f} -> {r['acc'][max(r['acc'])]:.3f}" for r in runs)
+        cores = 1 if system in ("trl", "sync") else 2
+        ratio = ("1.00x" if system == "trl" else
+                 "n/a" if to_last.get("trl") is None or to_last[system] is None else f"{to_last['trl'] / to_last[system]:.2f}x")
+        lines.append(f"| {system} | {cores} | {step:.3f} | {samples / step:.0f} | {steps_cell} | {' | '.join(cells)} | {accs} | "
+                     f"{med([r['wall'] for r in runs]):.0f} | {med([r['cpu_seconds'] for r in runs]):.0f} | {med([r['peak_rss_mb'] for r in runs]):.0f} | {ratio} |")
+    lines += ["", "vs TRL: TRL's time to the last target / this system's (above 1: faster than TRL). Run wall and "
+              "CPU-s per run: the whole process (tree), start-up and the end included (ours: the Prefect server, the engine and producer processes)."]
+    if "trl" in to_last:
+        lines += ["", "Goal (from the issue): reach the same accuracy in half TRL's training time:"]
+        for system, t in to_last.items():
+            if system != "trl":
+                ok = t is not None and to_last["trl"] is not None and t <= 0.5 * to_last["trl"]
+                lines.append(f"- {system}, +{deltas[-1]:g}: {'MET' if ok else 'NOT MET'} ({fmt(t)} s vs TRL "
+                             f"{fmt(to_last['trl'])} s)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x 8 samples)")
+    parser.add_argument("--max-len", type=int, default=6, help="response tokens at most")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--snapshot-every", type=int, default=5)
+    parser.add_argument("--eval-prompts", type=int, default=500)
+    parser.add_argument("--deltas", type=float, nargs="+", default=[0.3, 0.4, 0.45],
+                        help="accuracy gains over the start to time")
+    parser.add_argument("--ours", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peer_trl.md"))
+    args = parser.parse_args(argv)
+    if args.ours:
+        return ours_child(args.ours)
+
+    from miles_core.config import ModelConfig, ToyDataConfig
+    from miles_core.data.toy import toy_problems
+    from miles_core.models.tiny import ensure_model
+
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"--systems: unknown {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    python = ensure_trl_venv() if "trl" in systems else None
+    model_dir = str(ensure_model(ModelConfig(), log=lambda *a: print(*a, file=sys.stderr)))
+    held_out = toy_problems(ToyDataConfig(), "test", args.eval_prompts)
+    load_before = os.getloadavg()[0]
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    versions: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as work:
+        for seed in args.seeds:
+            for system in systems:
+                print(f"[{system}, seed {seed}] {args.steps} steps ...", file=sys.stderr)
+                out = Path(work) / f"{system}-{seed}"
+                spec = _spec(args, seed, model_dir, out)
+                if system == "trl":
+                    spec["rows"] = toy_problems(ToyDataConfig(seed=seed), "train")
+                    r = run_trl(python, spec)
+                    versions = r["versions"]
+                else:
+                    r = run_ours(system, spec)
+                r["acc"] = evaluate(r["snapshots"], model_dir, held_out, args.max_len)
+                print(f"  train {r['seconds'][-1]:.1f} s, accuracy " +
+                      " ".join(f"{s}:{a:.3f}" for s, a in sorted(r["acc"].items())), file=sys.stderr)
+                results[system].append(r)
+    text = render(results, args, (load_before, os.getloadavg()[0]), versions)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    cmd = " ".join(["python bench/peer_trl.py", *(argv if argv is not None else sys.argv[1:])])
+    Path(args.out).write_text(f"Command: `.venv/bin/{cmd}`\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
