@@ -74,6 +74,29 @@ def ensure_trl_venv() -> Path:
     return python
 
 
+VARIANTS = {"tis": "train.use_tis = true", "lr": "train.lr = X", "interval": "async_rollout.update_weights_interval = N"}
+
+
+def parse_system(name: str) -> tuple[str, dict]:
+    """``mode[+tis][+lr=X][+interval=N]`` (ours) or ``trl``: the mode and the config changes."""
+    base, *extras = name.split("+")
+    if base not in SYSTEMS or (base == "trl" and extras):
+        raise ValueError(f"unknown system {name!r}: one of {', '.join(SYSTEMS)}, ours optionally with "
+                         f"+tis, +lr=X, +interval=N")
+    changes: dict = {}
+    for extra in extras:
+        key, _, value = extra.partition("=")
+        if key == "tis" and not value:
+            changes["use_tis"] = True
+        elif key == "lr" and value:
+            changes["lr"] = float(value)
+        elif key == "interval" and value:
+            changes["update_weights_interval"] = int(value)
+        else:
+            raise ValueError(f"system {name!r}: unknown variant {extra!r} (known: {', '.join(VARIANTS)})")
+    return base, changes
+
+
 def _spec(args: argparse.Namespace, seed: int, model_dir: str, out: Path) -> dict:
     return {"model": model_dir, "out": str(out), "seed": seed, "steps": args.steps, "snapshot_every": args.snapshot_every,
             "lr": args.lr, "adam_beta1": ADAM_BETAS[0], "adam_beta2": ADAM_BETAS[1], "clip_grad": 1.0,
@@ -105,10 +128,11 @@ def run_trl(python: Path, spec: dict) -> dict:
     return {"seconds": result["seconds"], "snapshots": snapshots, **usage, "versions": result["versions"]}
 
 
-def run_ours(mode: str, spec: dict) -> dict:
+def run_ours(system: str, spec: dict) -> dict:
+    mode, changes = parse_system(system)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps({**spec, "mode": mode}))
+    (out / "spec.json").write_text(json.dumps({**spec, "mode": mode, "changes": changes}))
     usage = _run_child([sys.executable, str(Path(__file__).resolve()), "--ours", str(out / "spec.json")], out / "log.txt")
     run_dir = Path((out / "run_dir.txt").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -120,7 +144,7 @@ def run_ours(mode: str, spec: dict) -> dict:
     for step in range(spec["snapshot_every"], spec["steps"] + 1, spec["snapshot_every"]):
         path = run_dir / "weights" / f"v{step:06d}" / "model.safetensors"
         if not path.exists():
-            raise SystemExit(f"{mode}: weight version {step} is missing under {run_dir / 'weights'}")
+            raise SystemExit(f"{system}: weight version {step} is missing under {run_dir / 'weights'}")
         snapshots[step] = str(path)
     return {"seconds": seconds, "snapshots": snapshots, **usage, "staleness": max(r.get("staleness_max", 0.0) for r in rows)}
 
@@ -140,7 +164,7 @@ def ours_child(spec_path: str) -> None:
     torch.set_num_threads(1)
     engine = ({"type": "sglang", "launch": "hf-server", "cpu_affinity": [1], "num_threads": 1} if two_cores
               else {"type": "hf", "num_threads": 1})
-    cfg = RunConfig.model_validate({
+    raw = {
         "name": f"peer-trl-{mode}",
         "mode": mode,
         "seed": spec["seed"],
@@ -157,7 +181,12 @@ def ours_child(spec_path: str) -> None:
         "eval": {"eval_interval": None, "num_prompts": 64},
         "async_rollout": {"producer_cpu_affinity": [1] if two_cores else None},
         "storage": {"root": str(Path(spec["out"]) / "runs")},
-    })
+    }
+    changes = dict(spec.get("changes", {}))
+    if "update_weights_interval" in changes:
+        raw["async_rollout"]["update_weights_interval"] = changes.pop("update_weights_interval")
+    raw["train"].update(changes)  # use_tis, lr
+    cfg = RunConfig.model_validate(raw)
     summary = train(cfg)
     (Path(spec["out"]) / "run_dir.txt").write_text(str(summary["run_dir"]))
 
@@ -203,8 +232,9 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
         f"Workload: toy addition, built-in tiny model, {args.steps} steps of {args.prompts} prompts x 8 samples, at most "
         f"{args.max_len} response tokens, temperature 1, lr {args.lr:g} constant, AdamW betas {ADAM_BETAS}, no KL, fp32, "
         f"one torch thread a process; seeds {args.seeds}, interleaved; every {args.snapshot_every} steps scored by one "
-        f"greedy evaluation on {args.eval_prompts} held-out problems. TRL {versions.get('trl', '?')} (transformers "
-        f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}). Load average {load[0]:.2f} before, "
+        f"greedy evaluation on {args.eval_prompts} held-out problems."
+        + (f" TRL {versions['trl']} (transformers {versions['transformers']}, torch {versions['torch']})." if versions else "")
+        + f" Load average {load[0]:.2f} before, "
         f"{load[1]:.2f} after.",
         "",
         f"| system | cores | step (median s) | completions/s | steps to +{deltas[-1]:g} (median) | {head} | "
@@ -227,7 +257,7 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
         per_steps = [steps_to(r["acc"], deltas[-1]) for r in runs]
         steps_cell = "n/a" if None in per_steps else f"{statistics.median(per_steps):g}"
         accs = ", ".join(f"{r['acc'][0]:.3f} -> {r['acc'][max(r['acc'])]:.3f}" for r in runs)
-        cores = 1 if system in ("trl", "sync") else 2
+        cores = 1 if parse_system(system)[0] in ("trl", "sync") else 2
         ratio = ("1.00x" if system == "trl" else
                  "n/a" if to_last.get("trl") is None or to_last[system] is None else f"{to_last['trl'] / to_last[system]:.2f}x")
         lines.append(f"| {system} | {cores} | {step:.3f} | {samples / step:.0f} | {steps_cell} | {' | '.join(cells)} | {accs} | "
@@ -251,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, default=6, help="response tokens at most")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated: trl, sync, async, fully_async; ours may add +tis, +lr=X, +interval=N "
+                             "(e.g. async+tis)")
     parser.add_argument("--snapshot-every", type=int, default=5)
     parser.add_argument("--eval-prompts", type=int, default=500)
     parser.add_argument("--deltas", type=float, nargs="+", default=[0.3, 0.4, 0.45],
@@ -267,9 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     from miles_core.models.tiny import ensure_model
 
     systems = args.systems.split(",")
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        parser.error(f"--systems: unknown {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    for system in systems:
+        try:
+            parse_system(system)
+        except ValueError as e:
+            parser.error(f"--systems: {e}")
     python = ensure_trl_venv() if "trl" in systems else None
     model_dir = str(ensure_model(ModelConfig(), log=lambda *a: print(*a, file=sys.stderr)))
     held_out = toy_problems(ToyDataConfig(), "test", args.eval_prompts)

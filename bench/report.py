@@ -20,6 +20,7 @@ TITLES = {
     "multi_lora": "Multi-LoRA: shared rollouts vs separate runs (bench/multi_lora.py)",
     "resume": "Checkpoints and resumes, per mode (bench/resume.py)",
     "orchestration": "What Prefect costs a run, in CPU (bench/orchestration.py)",
+    "peer_trl_async": "What costs the async modes their extra steps (bench/peer_trl.py --systems ...)",
     "peer_trl": "Against TRL's GRPOTrainer, the same work to the same accuracy (bench/peer_trl.py)",
 }
 

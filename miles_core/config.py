@@ -577,9 +577,9 @@ class TrainConfig(_Base):
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where the PPO ratio's denominator comes from: a forward pass of the trainer's weights before
     the update, or the logprobs the rollout engine reported. With ``recompute`` and a batch trained
-    in one optimizer step, no KL penalty in the reward, no ``use_tis`` and no dropout, the
-    denominator is the loss pass's own logprobs, detached (the ratio exactly 1), at one forward
-    pass less: what a separate no-grad pass gives up to rounding (on CPU in fp32, the same update
+    in one optimizer step, no KL penalty in the reward, no ``use_tis`` in ``mask`` mode and no
+    dropout, the denominator is the loss pass's own logprobs, detached (the ratio exactly 1), at
+    one forward pass less (truncated TIS weights come from those logprobs too): what a separate no-grad pass gives up to rounding (on CPU in fp32, the same update
     bit for bit)."""
     use_tis: bool = False
     """Rollout correction: weight each token's policy-gradient loss by the importance ratio

@@ -22,9 +22,11 @@ One ``step(batch)``:
 5. clip the gradient norm, take an AdamW step, and count one more version.
 
 One pass: with recomputed old logprobs and a batch trained in a single optimizer step (and no
-``kl_coef``, no ``use_tis``, no dropout: nothing that needs the denominator before the loss pass,
-or that makes two passes differ), the denominator is the loss pass's own logprobs, detached, and
-the step saves one forward pass of the batch. A separate no-grad pass of the same weights computes
+``kl_coef``, no ``use_tis`` in ``mask`` mode, no dropout: nothing that needs the denominator
+before the loss pass, or that makes two passes differ), the denominator is the loss pass's own
+logprobs, detached, and the step saves one forward pass of the batch. ``use_tis`` in ``truncate``
+mode keeps every token, and each token's weight depends only on its own detached logprob, so the
+weights are computed in the loss pass too. A separate no-grad pass of the same weights computes
 the same values up to rounding: on CPU in fp32 the update is the same bit for bit (a unit test);
 where kernels round differently for other batch shapes (GPU, bf16) the separate pass gave a ratio of
 1 plus rounding noise, and the one pass gives exactly 1 (``ratio_dev``, ``clipfrac`` and
@@ -89,7 +91,7 @@ if TYPE_CHECKING:
 _AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_dev", "approx_kl", "grad_norm")
 # averaged over the optimizer steps after the first one of a batch (its off-policy steps)
 _OFF_POLICY = {"offpolicy_ratio_dev": "ratio_dev", "offpolicy_clipfrac": "clipfrac"}
-_MISMATCH = ("mismatch_kl", "train_rollout_logprob_abs_diff")
+_MISMATCH = ("mismatch_kl", "train_rollout_logprob_abs_diff", "tis_weight_mean", "tis_clipfrac")  # the last two with TIS
 
 
 class WeightPublisher(Protocol):
@@ -184,7 +186,7 @@ class TorchTrainer:
             summary.update({name: _mean(m[k] for m in per_step[1:]) for name, k in _OFF_POLICY.items()})
         summary.update(correction_metrics)
         if self._mismatch_denom and per_step:  # one pass: the micro-batches' shares, summed
-            summary.update({k: per_step[0][k] for k in _MISMATCH})
+            summary.update({k: per_step[0][k] for k in _MISMATCH if k in per_step[0]})
         excluded = sum(1 for s in batch.samples if s.reward is None)
         summary.update(
             num_optimizer_steps=float(len(per_step)),
@@ -203,6 +205,8 @@ class TorchTrainer:
         metrics: dict[str, float] = {}
         self._mismatch_denom = None
         if self._one_pass(tokens.num_rows):  # the loss pass's own logprobs, detached (see "One pass")
+            if self.cfg.use_tis:  # truncated weights, computed in the loss pass (_micro_loss)
+                _require_rollout_logprobs(batch.samples, "train.use_tis", "turn use_tis off or use an engine that reports them")
             self._mismatch_denom = float((tokens.loss_mask * tokens.has_rollout_logprobs.unsqueeze(-1)).sum()) or None
         elif self.cfg.old_logprobs == "recompute":
             tokens.old_logprobs = self._forward_logprobs(self.model, tokens, batch.temperature)
@@ -270,7 +274,7 @@ class TorchTrainer:
         pass, and no dropout to make two passes differ."""
         cfg = self.cfg
         return (cfg.old_logprobs == "recompute" and len(cfg.minibatch_sizes(num_rows)) == 1
-                and cfg.kl_coef == 0 and not cfg.use_tis and not self._random_forward)
+                and cfg.kl_coef == 0 and (not cfg.use_tis or cfg.tis_mode == "truncate") and not self._random_forward)
 
     def _micro_batches(self, tokens: TokenBatch) -> Iterator[TokenBatch]:
         rows = torch.arange(tokens.num_rows, device=self.device)
@@ -326,15 +330,20 @@ class TorchTrainer:
         cfg, reducer = self.cfg, self.policy_loss.reducer
         logits = self._logits(self.model, mb, temperature)
         logprobs = token_logprobs(logits, mb.labels)
-        old_logprobs = mb.old_logprobs
+        old_logprobs, weights, correction = mb.old_logprobs, mb.is_weights, None
         if old_logprobs is None:  # one pass: this pass's logprobs are the denominator
             old_logprobs = logprobs.detach()
+            if cfg.use_tis:  # truncate: per-token weights of these logprobs, every token kept (no denominator change)
+                correction = rollout_correction(old_logprobs, mb.rollout_logprobs, cfg.tis_mode, cfg.tis_clip,
+                                                cfg.tis_clip_low)
+                weights = correction.weights
         pg_loss, metrics = self.policy_loss.fn(
-            logprobs, old_logprobs, mb.advantages, mb.loss_mask, denom=denom, weights=mb.is_weights
+            logprobs, old_logprobs, mb.advantages, mb.loss_mask, denom=denom, weights=weights
         )
         if mb.old_logprobs is None and self._mismatch_denom:  # this micro-batch's share of the batch's
             mask = mb.loss_mask * mb.has_rollout_logprobs.unsqueeze(-1)
-            metrics.update(mismatch_metrics(old_logprobs, mb.rollout_logprobs, mask, denom=self._mismatch_denom))
+            metrics.update(mismatch_metrics(old_logprobs, mb.rollout_logprobs, mask, correction,
+                                            denom=self._mismatch_denom))
         loss = pg_loss
         kl = torch.zeros(())
         if mb.ref_logprobs is not None:

@@ -563,12 +563,14 @@ def count_forwards(trainer):
     return calls
 
 
-@pytest.mark.parametrize("micro", [8, 3])
+@pytest.mark.parametrize("micro,tis", [(8, False), (3, False), (3, True)])
 def test_one_pass_old_logprobs_give_the_same_update_bit_for_bit_at_one_forward_less(tiny_model_dir, tmp_path,
-                                                                                      micro):
+                                                                                      micro, tis):
     """A batch trained in one optimizer step: the loss pass's detached logprobs stand for the
-    no-grad recompute pass; the weights after the step are equal to the last bit."""
-    one, two = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro) for _ in range(2))
+    no-grad recompute pass (and, with truncated TIS, give the same importance weights); the
+    weights after the step are equal to the last bit."""
+    extra = {"use_tis": True, "tis_clip": 1.05} if tis else {}  # a low clip: some weights truncated
+    one, two = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro, **extra) for _ in range(2))
     two._one_pass = lambda num_rows: False  # the separate no-grad pass, as before
     groups = make_groups(REWARDS_A, one.model)
     for s in (s for g in groups for s in g.samples):  # the engine's logprobs differ: the mismatch metrics are not 0
@@ -583,15 +585,21 @@ def test_one_pass_old_logprobs_give_the_same_update_bit_for_bit_at_one_forward_l
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     micro_batches = -(-8 // micro)
     assert (len(forwards_one), len(forwards_two)) == (micro_batches, 2 * micro_batches)
-    for k in ("loss", "pg_loss", "grad_norm", "mismatch_kl", "train_rollout_logprob_abs_diff"):
+    keys = ["loss", "pg_loss", "grad_norm", "mismatch_kl", "train_rollout_logprob_abs_diff"]
+    if tis:
+        assert 0 < m_one["tis_clipfrac"] < 1 and m_one["tis_weight_mean"] != pytest.approx(1.0), m_one
+        keys += ["tis_weight_mean", "tis_clipfrac"]
+    for k in keys:
         assert m_one[k] == pytest.approx(m_two[k], abs=1e-7), k
     assert m_one["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m_one["clipfrac"] == 0.0
 
 
-@pytest.mark.parametrize("cfg", [{"num_steps_per_rollout": 2, "global_batch_size": None}, {"use_tis": True}, {"kl_coef": 0.1}])
+@pytest.mark.parametrize("cfg", [{"num_steps_per_rollout": 2, "global_batch_size": None},
+                                 {"use_tis": True, "tis_mode": "mask"}, {"kl_coef": 0.1}])
 def test_the_old_logprob_pass_stays_where_the_denominator_is_needed_first(tiny_model_dir, tmp_path, cfg):
-    """Several optimizer steps (the later ones are off-policy), TIS weights, or a KL penalty in the
-    reward all need the old logprobs before the loss pass: the trainer still computes them."""
+    """Several optimizer steps (the later ones are off-policy), masked importance sampling (its
+    rejected tokens leave the loss denominator), or a KL penalty in the reward all need the old
+    logprobs before the loss pass: the trainer still computes them."""
     trainer = make_trainer(tiny_model_dir, tmp_path, micro_batch_size=8, **cfg)
     batch = make_batch(REWARDS_A, logprob_model=trainer.model)
     forwards = count_forwards(trainer)  # the policy's passes (a KL reference is a frozen copy of its own)
