@@ -67,7 +67,7 @@ class TrainerSide:
         from miles_core.train import setup_trainer
 
         return setup_trainer(
-            self.cfg.train, self.refs.model_dir, self.files.weights, self.cfg.model.dtype, lora=self.cfg.lora,
+            self.cfg.trainer_config(), self.refs.model_dir, self.files.weights, self.cfg.model.dtype, lora=self.cfg.lora,
             storage_options=self.cfg.storage.storage_options,
         )
 

@@ -372,3 +372,17 @@ def test_secret_storage_options_never_reach_json_but_stay_in_python():
     assert cfg.storage.storage_options == options and cfg.data.storage_options["password"] == "pw-1"
     again = RunConfig.model_validate(json.loads(cfg.model_dump_json(context=WITH_SECRETS)))
     assert again.storage.storage_options == options
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), False),
+    (("--mode", "async"), True),
+    (("--mode", "fully_async"), True),
+    (("--mode", "async", "--use-rollout-logprobs"), False),  # no recomputed denominator: no correction
+    (("--mode", "async", "--no-use-tis"), False),
+    (("--use-tis",), True),
+])
+def test_tis_is_on_by_default_in_the_async_modes_only(flags, expected):
+    cfg = _cfg(*flags)
+    assert cfg.trainer_config().use_tis is expected
+    assert cfg.train.use_tis is (None if not {"--use-tis", "--no-use-tis"} & set(flags) else expected)
