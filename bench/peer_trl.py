@@ -74,22 +74,25 @@ def ensure_trl_venv() -> Path:
     return python
 
 
-VARIANTS = {"tis": "train.use_tis = true", "lr": "train.lr = X", "interval": "async_rollout.update_weights_interval = N"}
+VARIANTS = {"tis": "train.use_tis = true", "notis": "train.use_tis = false", "lr": "train.lr = X",
+            "beta2": "train.adam_beta2 = X", "interval": "async_rollout.update_weights_interval = N"}
 
 
 def parse_system(name: str) -> tuple[str, dict]:
-    """``mode[+tis][+lr=X][+interval=N]`` (ours) or ``trl``: the mode and the config changes."""
+    """``mode[+tis|+notis][+lr=X][+beta2=X][+interval=N]`` (ours) or ``trl``: the mode and the config changes."""
     base, *extras = name.split("+")
     if base not in SYSTEMS or (base == "trl" and extras):
         raise ValueError(f"unknown system {name!r}: one of {', '.join(SYSTEMS)}, ours optionally with "
-                         f"+tis, +lr=X, +interval=N")
+                         f"+tis, +notis, +lr=X, +beta2=X, +interval=N")
     changes: dict = {}
     for extra in extras:
         key, _, value = extra.partition("=")
         if key == "tis" and not value:
             changes["use_tis"] = True
-        elif key == "lr" and value:
-            changes["lr"] = float(value)
+        elif key == "notis" and not value:
+            changes["use_tis"] = False
+        elif key in ("lr", "beta2") and value:
+            changes["adam_beta2" if key == "beta2" else "lr"] = float(value)
         elif key == "interval" and value:
             changes["update_weights_interval"] = int(value)
         else:
@@ -185,7 +188,7 @@ def ours_child(spec_path: str) -> None:
     changes = dict(spec.get("changes", {}))
     if "update_weights_interval" in changes:
         raw["async_rollout"]["update_weights_interval"] = changes.pop("update_weights_interval")
-    raw["train"].update(changes)  # use_tis, lr
+    raw["train"].update(changes)  # use_tis, lr, adam_beta2
     cfg = RunConfig.model_validate(raw)
     summary = train(cfg)
     (Path(spec["out"]) / "run_dir.txt").write_text(str(summary["run_dir"]))
@@ -282,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated: trl, sync, async, fully_async; ours may add +tis, +lr=X, +interval=N "
-                             "(e.g. async+tis)")
+                        help="comma-separated: trl, sync, async, fully_async; ours may add +tis, +notis, +lr=X, "
+                             "+beta2=X, +interval=N (e.g. async+notis)")
     parser.add_argument("--snapshot-every", type=int, default=5)
     parser.add_argument("--eval-prompts", type=int, default=500)
     parser.add_argument("--deltas", type=float, nargs="+", default=[0.3, 0.4, 0.45],
