@@ -74,8 +74,7 @@ def ensure_trl_venv() -> Path:
     return python
 
 
-VARIANTS = {"tis": "train.use_tis = true", "notis": "train.use_tis = false", "lr": "train.lr = X",
-            "beta2": "train.adam_beta2 = X", "interval": "async_rollout.update_weights_interval = N"}
+VARIANTS = ("tis", "notis", "lr", "beta2", "interval")  # after "+" in a system name
 
 
 def parse_system(name: str) -> tuple[str, dict]:

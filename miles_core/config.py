@@ -580,8 +580,8 @@ class TrainConfig(_Base):
     the update, or the logprobs the rollout engine reported. With ``recompute`` and a batch trained
     in one optimizer step, no KL penalty in the reward, no ``use_tis`` in ``mask`` mode and no
     dropout, the denominator is the loss pass's own logprobs, detached (the ratio exactly 1), at
-    one forward pass less (truncated TIS weights come from those logprobs too): what a separate no-grad pass gives up to rounding (on CPU in fp32, the same update
-    bit for bit)."""
+    one forward pass less (truncated TIS weights come from those logprobs too): what a separate
+    no-grad pass gives up to rounding (on CPU in fp32, the same update bit for bit)."""
     use_tis: bool | None = None
     """Rollout correction: weight each token's policy-gradient loss by the importance ratio
     rho = exp(old_logprob - rollout_logprob) of the recomputed logprobs over the engine's, bounded

@@ -204,9 +204,9 @@ class TorchTrainer:
         tokens.advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
         metrics: dict[str, float] = {}
         self._mismatch_denom = None
+        if self.cfg.use_tis:  # one pass or two, the weights need the engine's logprobs
+            _require_rollout_logprobs(batch.samples, "train.use_tis", "set train.use_tis = false (on by default in the async modes) or use an engine that reports them")
         if self._one_pass(tokens.num_rows):  # the loss pass's own logprobs, detached (see "One pass")
-            if self.cfg.use_tis:  # truncated weights, computed in the loss pass (_micro_loss)
-                _require_rollout_logprobs(batch.samples, "train.use_tis", "set train.use_tis = false (on by default in the async modes) or use an engine that reports them")
             self._mismatch_denom = float((tokens.loss_mask * tokens.has_rollout_logprobs.unsqueeze(-1)).sum()) or None
         elif self.cfg.old_logprobs == "recompute":
             tokens.old_logprobs = self._forward_logprobs(self.model, tokens, batch.temperature)
@@ -252,8 +252,6 @@ class TorchTrainer:
         of the samples that carry rollout logprobs (none: no metrics). With ``use_tis``, attach the
         importance weights and drop rejected tokens from the loss mask, before any denominator."""
         cfg = self.cfg
-        if cfg.use_tis:
-            _require_rollout_logprobs(samples, "train.use_tis", "set train.use_tis = false (on by default in the async modes) or use an engine that reports them")
         mask = tokens.loss_mask * tokens.has_rollout_logprobs.unsqueeze(-1)
         if not mask.any():
             return {}
