@@ -59,8 +59,11 @@ def base_config(args: argparse.Namespace, model_dir: str, root: str, name: str) 
 
 
 def producer_tokens(run_dir: str) -> int:
-    state = json.loads((Path(run_dir) / "state" / "producer.json").read_text())
-    return int(state["stats"]["response_tokens"])
+    """Response tokens the run's producers generated (every producer's state file, ``state/producer-<id>.json``)."""
+    files = sorted((Path(run_dir) / "state").glob("producer*.json"))
+    if not files:
+        raise FileNotFoundError(f"no producer state under {run_dir}/state: did the run generate anything?")
+    return sum(int(json.loads(f.read_text())["stats"]["response_tokens"]) for f in files)
 
 
 def train_seconds(metrics_files: list[Path]) -> float:

@@ -53,7 +53,7 @@ from miles_core.run import FRESH_FEED, RunRegistry, release_lease
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
-from miles_core.session.parts import EngineLoop, RunFiles, built_once, load_weights
+from miles_core.session.parts import EngineLoop, RunFiles, built_once, is_built, load_weights
 from miles_core.session.refs import RunRefs
 from miles_core.session.rollouts import RolloutSide
 from miles_core.session.training import TrainerSide
@@ -88,7 +88,7 @@ class AdapterSession:
             self.cfg, self.refs, self.files, reader=adapter_reader(name),
             view=adapter_view(name) if per_adapter else shared_view(name), producer_check=run.check_producer,
             producer_metrics=ProducerMeter(lambda: run.producer), streams=run.streams, recycle=run.recycle,
-            fleet_dir=run.refs.run_dir,
+            fleet_dir=run.refs.run_dir, build_trainer=(lambda: run.bank_trainer(name)) if run.shares_base else None,
         )
         self.history = RunHistory(layout)
         self.evals = Evaluator(self.cfg, self.refs, run.loop, self.files.weights, self.history,
@@ -166,7 +166,12 @@ class MultiLoraRun:
         self._recycle_log = PromptLog(refs.run_dir, opts, retry=retry)
         self._recycle_lock = threading.Lock()
         self._stop_asked = threading.Event()
-        self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in cfg.adapter_configs().items()}
+        configs = cfg.adapter_configs()
+        self.shares_base = cfg.multi_lora.shared_base and all(
+            c.train.backend.type == "torch" for c in configs.values())
+        """The adapters train on one base, their steps fused (``multi_lora.shared_base``, torch backend)."""
+        self._bank_lock = threading.Lock()
+        self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in configs.items()}
         self._lock = threading.Lock()
         self.finished: dict[str, str | None] = {}
         """Adapters that left the run: name -> None (done) or the error that failed it."""
@@ -299,11 +304,32 @@ class MultiLoraRun:
 
     # -- adapters
 
+    @built_once
+    def bank(self):
+        """The adapters' one base model (``shares_base``): ``train.adapter_bank.AdapterBank``."""
+        from miles_core.train.adapter_bank import AdapterBank
+
+        devices = {s.cfg.train.backend.device for s in self.adapters.values()}
+        if len(devices) > 1:
+            raise ValueError(f"multi_lora.shared_base: the adapters train on different devices ({sorted(devices)}); "
+                             "give them one train.backend.device, or set multi_lora.shared_base = false")
+        return AdapterBank(self.refs.model_dir, self.cfg.model.dtype, devices.pop(),
+                           gather_timeout_s=self.cfg.multi_lora.gather_timeout_s)
+
+    def bank_trainer(self, name: str):
+        """Adapter ``name``'s trainer on the run's shared base (its ``TrainerSide`` builds it once)."""
+        session = self.adapters[name]
+        with self._bank_lock:  # one adapter at a time changes the bank's modules
+            return self.bank.add(name, session.cfg.lora, session.cfg.trainer_config(), session.weights,
+                                 session.cfg.storage.storage_options)
+
     def mark_finished(self, name: str, error: str | None = None) -> None:
         """Adapter ``name`` is done (``error`` None) or failed: it no longer holds the producer back."""
         with self._lock:
             self.finished[name] = error
         self.adapters[name].training.close_feed()
+        if self.shares_base and is_built(self, "bank"):
+            self.bank.leave(name)  # the other adapters' steps stop waiting for it
 
     @property
     def failed(self) -> dict[str, str]:

@@ -44,8 +44,11 @@ class TrainerSide:
                  view: GroupView | None = None, producer_check: Callable[[], None] = lambda: None,
                  producer_metrics: Callable[[], dict[str, float]] = dict,
                  streams: Callable[[], list[tuple[SampleStream, int | None]]] | None = None,
-                 recycle: Callable[[list[Group]], None] | None = None, fleet_dir: str | None = None) -> None:
+                 recycle: Callable[[list[Group]], None] | None = None, fleet_dir: str | None = None,
+                 build_trainer: Callable[[], Any] | None = None) -> None:
         self.cfg, self.refs, self.files = cfg, refs, files
+        self.build_trainer = build_trainer
+        """Builds the trainer (a multi-LoRA adapter's, on the run's shared base); None: ``setup_trainer``."""
         self.fleet_dir = fleet_dir or refs.run_dir
         """The run folder whose ``fleet/`` (prompt log, heartbeats) this trainer's producers use (a
         multi-LoRA adapter's folder is below its run's)."""
@@ -66,6 +69,8 @@ class TrainerSide:
     def trainer(self):
         from miles_core.train import setup_trainer
 
+        if self.build_trainer is not None:
+            return self.build_trainer()
         return setup_trainer(
             self.cfg.trainer_config(), self.refs.model_dir, self.files.weights, self.cfg.model.dtype, lora=self.cfg.lora,
             storage_options=self.cfg.storage.storage_options,

@@ -169,18 +169,25 @@ class TorchTrainer:
         steps not taken because the loss or the gradient norm was not finite: the weights stay as
         they were), ``train_tokens``, ``num_samples``,
         ``num_excluded_samples`` (reward None) and ``version`` after the step."""
+        tokens, correction_metrics, minibatches = self._plan(batch)
+        results = [self._optimizer_step(mb, batch.temperature) for mb in minibatches]
+        return self._summary(batch, tokens, correction_metrics, results)
+
+    def _plan(self, batch: TrainBatch) -> tuple[TokenBatch, dict[str, float], list[TokenBatch]]:
+        """Steps 1-3 of ``step``: the batch's tensors, its rollout-correction metrics, and its
+        optimizer minibatches (shuffled)."""
         if not batch.samples:
             raise ValueError("TrainBatch has no samples")
         tokens, correction_metrics = self._prepare(batch)
         n = tokens.num_rows
         order = torch.randperm(n, generator=self._generator).to(self.device)
-        per_step, nonfinite = [], 0
-        for rows in order.split(self.cfg.minibatch_sizes(n)):
-            metrics = self._optimizer_step(tokens.select(rows), batch.temperature)
-            if metrics is not None and "nonfinite" in metrics:
-                nonfinite += 1
-            elif metrics is not None:
-                per_step.append(metrics)
+        return tokens, correction_metrics, [tokens.select(rows) for rows in order.split(self.cfg.minibatch_sizes(n))]
+
+    def _summary(self, batch: TrainBatch, tokens: TokenBatch, correction_metrics: dict[str, float],
+                 results: list[dict[str, float] | None]) -> dict[str, float]:
+        """``step``'s metrics from its optimizer steps' results (``_apply``; None: a minibatch with nothing to train)."""
+        per_step = [m for m in results if m is not None and "nonfinite" not in m]
+        nonfinite = sum(1 for m in results if m is not None and "nonfinite" in m)
         summary = {k: _mean(m[k] for m in per_step) for k in _AVERAGED}
         if len(per_step) > 1:
             summary.update({name: _mean(m[k] for m in per_step[1:]) for name, k in _OFF_POLICY.items()})
@@ -192,7 +199,7 @@ class TorchTrainer:
             num_optimizer_steps=float(len(per_step)),
             num_nonfinite_steps=float(nonfinite),
             train_tokens=float(tokens.loss_mask.sum()),
-            num_samples=float(n),
+            num_samples=float(tokens.num_rows),
             num_excluded_samples=float(excluded),
             version=float(self._version),
         )
@@ -297,18 +304,34 @@ class TorchTrainer:
         return out
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
-        denom = reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
+        denom = self._denominator(minibatch)
         if denom == 0:  # every sample in it is failed or fully masked: nothing to learn from
             return None
-        parts: dict[str, list[Tensor]] = defaultdict(list)  # summed on the device, read back once
-        loss_device = self.params[0].device
-        for mb in self._micro_batches(minibatch):
-            if not mb.loss_mask.any():
-                continue
+        parts: dict[str, list[Tensor]] = defaultdict(list)
+        for mb in self._trained_micro_batches(minibatch):
             loss, metrics = self._micro_loss(mb, denom, temperature)
             loss.backward()
-            for k, v in metrics.items():
-                parts[k].append(torch.as_tensor(v, dtype=torch.float64, device=loss_device).detach())
+            self._keep(parts, metrics)
+        return self._apply(parts)
+
+    def _denominator(self, minibatch: TokenBatch) -> float:
+        """What every micro-batch's loss of ``minibatch`` is divided by (0: nothing to train)."""
+        return reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
+
+    def _trained_micro_batches(self, minibatch: TokenBatch) -> list[TokenBatch]:
+        """The micro-batches of ``minibatch`` with at least one trained token."""
+        return [mb for mb in self._micro_batches(minibatch) if mb.loss_mask.any()]
+
+    def _keep(self, parts: dict[str, list[Tensor]], metrics: dict[str, Tensor]) -> None:
+        """Add a micro-batch's metrics to its minibatch's (summed on the device, read back once by ``_apply``)."""
+        loss_device = self.params[0].device
+        for k, v in metrics.items():
+            parts[k].append(torch.as_tensor(v, dtype=torch.float64, device=loss_device).detach())
+
+    def _apply(self, parts: dict[str, list[Tensor]]) -> dict[str, float]:
+        """After a minibatch's backward passes: clip, and take the optimizer step if the gradient
+        is finite (``{"nonfinite": 1.0}`` if not: the gradient is dropped); the minibatch's metrics."""
+        loss_device = self.params[0].device
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).double()
         names = list(parts)
@@ -325,8 +348,11 @@ class TorchTrainer:
 
     def _micro_loss(self, mb: TokenBatch, denom: float, temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the minibatch loss (divided by the minibatch's ``denom``)."""
+        return self._loss_of(mb, self._logits(self.model, mb, temperature), denom)
+
+    def _loss_of(self, mb: TokenBatch, logits: Tensor, denom: float) -> tuple[Tensor, dict[str, Tensor]]:
+        """``_micro_loss`` from the micro-batch's logits (the policy's, at the batch's temperature)."""
         cfg, reducer = self.cfg, self.policy_loss.reducer
-        logits = self._logits(self.model, mb, temperature)
         logprobs = token_logprobs(logits, mb.labels)
         old_logprobs, weights, correction = mb.old_logprobs, mb.is_weights, None
         if old_logprobs is None:  # one pass: this pass's logprobs are the denominator

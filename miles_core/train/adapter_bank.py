@@ -1,0 +1,384 @@
+"""Many LoRA adapters trained on one base model, their steps fused: ``AdapterBank``.
+
+A multi-LoRA run with one ``TorchTrainer`` per adapter holds N copies of the base, and its N
+adapter threads each step their own model at once, contending for the same cores. The bank holds
+the base once and gives each adapter a ``BankedLoraTrainer``: the ``Trainer`` of that adapter alone
+(its own optimizer, learning rate, loss settings, version counter, shuffling generator, checkpoint,
+and PEFT-format export), over the bank's model.
+
+- The model: the base with each target linear module replaced by a ``BankLinear`` holding every
+  adapter's ``A`` (rank x in) and ``B`` (out x rank, zero at the start: version 0 is the base) for
+  which that module is a target. Adapters may differ in rank, alpha, dropout and target modules.
+  Which rows of a forward pass go through which adapter is the bank's routing (``route``): each
+  adapter's rows get ``base(x) + (alpha / rank) * B(A(dropout(x)))``; rows routed to no adapter
+  (the KL reference) get the base alone.
+- Fused steps: ``BankedLoraTrainer.step(batch)`` hands its batch to the bank and waits. When every
+  adapter still training (``leave`` takes one out) has handed one in, or ``gather_timeout_s``
+  after the first one did, one thread steps them all together: each adapter's batch is prepared
+  and cut into minibatches and micro-batches as its own ``TorchTrainer`` would (``_plan``), then
+  micro-batch j of minibatch i of every adapter goes through ONE forward pass (their rows side by
+  side, padded to the widest), each adapter's loss is computed on its own rows with its own
+  denominator, and one backward pass of their sum gives each adapter exactly its own gradient
+  (their parameters are disjoint). Each adapter then clips and steps its own optimizer. The
+  result is each adapter's own ``TorchTrainer`` step, up to floating-point rounding of the wider
+  matrix products (a unit test compares them).
+- Passes that are not the loss pass (old logprobs when two passes are needed, the reference) run
+  per adapter, routed to it alone.
+
+Used by ``miles_core.multi_lora`` when ``multi_lora.shared_base`` is on (the default) and the
+trainer is the one-process torch backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from miles_core.train.batch import TokenBatch
+from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher
+
+if TYPE_CHECKING:
+    from miles_core.config import LoraConfig, TrainConfig
+    from miles_core.train.base import TrainBatch
+
+log = logging.getLogger(__name__)
+
+Routes = list[tuple[str | None, int, int]]
+"""Rows [start, stop) of a forward pass and the adapter they go through (None: the base alone)."""
+
+
+class BankLinear(nn.Module):
+    """A frozen linear layer with any number of LoRA adapters, applied to the rows the bank routes to each."""
+
+    def __init__(self, base: nn.Linear, bank: AdapterBank) -> None:
+        super().__init__()
+        self.base, self._bank = base, [bank]  # a list: the bank is not a submodule
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        self.scaling: dict[str, float] = {}
+        self.dropout: dict[str, float] = {}
+
+    def add(self, name: str, lora: LoraConfig, generator: torch.Generator) -> None:
+        w = self.base.weight
+        a = torch.empty(lora.rank, self.base.in_features, dtype=w.dtype)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's default init of A
+        self.lora_A[name] = nn.Parameter(a.to(w.device))
+        self.lora_B[name] = nn.Parameter(torch.zeros(self.base.out_features, lora.rank, dtype=w.dtype, device=w.device))
+        self.scaling[name] = lora.lora_alpha / lora.rank
+        self.dropout[name] = lora.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        routes = [r for r in self._bank[0].routes if r[0] in self.lora_A]
+        if not routes:
+            return y
+        deltas, at = [], 0
+        for name, start, stop in routes:
+            if start > at:
+                deltas.append(y.new_zeros((start - at, *y.shape[1:])))
+            h = x[start:stop]
+            if self.training and self.dropout[name] > 0:
+                h = nn.functional.dropout(h, self.dropout[name])
+            deltas.append((h @ self.lora_A[name].t()) @ self.lora_B[name].t() * self.scaling[name])
+            at = stop
+        if at < y.shape[0]:
+            deltas.append(y.new_zeros((y.shape[0] - at, *y.shape[1:])))
+        return y + torch.cat(deltas)
+
+
+class AdapterBank:
+    """One base model and the adapters trained on it (``add``), their steps fused (module docstring)."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu",
+                 gather_timeout_s: float = 30.0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from miles_core.dtypes import torch_dtype
+
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype(dtype, "AdapterBank"))
+        self.model.requires_grad_(False).to(device).train()
+        self.routes: Routes = []
+        self.layers: dict[str, BankLinear] = {}
+        """Module path (the base model's name) -> its ``BankLinear``, created as adapters need them."""
+        self.trainers: dict[str, BankedLoraTrainer] = {}
+        self.gather_timeout_s = gather_timeout_s
+        self._cond = threading.Condition()
+        self._live: set[str] = set()
+        self._pending: dict[str, TrainBatch] = {}
+        self._results: dict[str, dict[str, float] | BaseException] = {}
+        self._stepping = False
+        self.fused_steps = 0
+        """How many fused steps the bank has taken (and ``adapters_per_step``: how many adapters each had)."""
+        self.adapters_per_step: list[int] = []
+
+    # -- adapters
+
+    def add(self, name: str, lora: LoraConfig, train_cfg: TrainConfig, weight_store: WeightPublisher,
+            storage_options: dict[str, Any] | None = None) -> BankedLoraTrainer:
+        """Add adapter ``name`` (A drawn from ``train_cfg.seed``, B zero) and return its trainer."""
+        if name in self.trainers:
+            raise ValueError(f"adapter {name!r} is in the bank already")
+        generator = torch.Generator().manual_seed(train_cfg.seed)
+        matched = 0
+        for path, module in list(self.model.named_modules()):
+            for child, layer in list(module.named_children()):
+                full = f"{path}.{child}" if path else child
+                if not _targets(lora, full):
+                    continue
+                if isinstance(layer, nn.Linear):
+                    layer = BankLinear(layer, self)
+                    setattr(module, child, layer)
+                    self.layers[full] = layer
+                if isinstance(layer, BankLinear):
+                    layer.add(name, lora, generator)
+                    matched += 1
+        if matched == 0:
+            raise ValueError(f"adapter {name!r}: no linear module of the model matches target_modules "
+                             f"{list(lora.target_modules)}")
+        trainer = BankedLoraTrainer(self, name, lora, train_cfg, weight_store, storage_options)
+        self.trainers[name] = trainer
+        with self._cond:
+            self._live.add(name)
+        return trainer
+
+    def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        """Adapter ``name``'s parameters under PEFT's saved names (``base_model.model.<module>.lora_A.weight``)."""
+        out = {}
+        for path, layer in self.layers.items():
+            if name in layer.lora_A:
+                out[f"base_model.model.{path}.lora_A.weight"] = layer.lora_A[name]
+                out[f"base_model.model.{path}.lora_B.weight"] = layer.lora_B[name]
+        return out
+
+    @contextmanager
+    def route(self, routes: Routes) -> Iterator[None]:
+        """Forward passes in the block send each row range through its adapter. Only the thread
+        that holds the bank's step (or one trainer stepping alone) routes."""
+        saved, self.routes = self.routes, routes
+        try:
+            yield
+        finally:
+            self.routes = saved
+
+    # -- fused steps
+
+    def leave(self, name: str) -> None:
+        """Adapter ``name`` trains no more (done or failed): the others stop waiting for it."""
+        with self._cond:
+            self._live.discard(name)
+            self._cond.notify_all()
+
+    def step(self, name: str, batch: TrainBatch) -> dict[str, float]:
+        """Adapter ``name``'s step on ``batch``, taken together with the other adapters' (module docstring)."""
+        with self._cond:
+            self._pending[name] = batch  # one that left steps with the others, or alone, never holding them back
+            self._cond.notify_all()
+            first = time.monotonic()
+            while name not in self._results:
+                ready = self._live <= self._pending.keys()
+                late = time.monotonic() - first >= self.gather_timeout_s
+                if not self._stepping and self._pending and (ready or late):
+                    if not ready:
+                        log.info("adapter bank: stepping %s without %s (not ready after %.0f s)",
+                                 ", ".join(sorted(self._pending)), ", ".join(sorted(self._live - self._pending.keys())),
+                                 self.gather_timeout_s)
+                    batches, self._pending, self._stepping = dict(self._pending), {}, True
+                    self._cond.release()
+                    try:
+                        results = self._step_together(batches)
+                    except BaseException as e:  # Ctrl-C in the middle: every waiting adapter gets it, none hangs
+                        results = dict.fromkeys(batches, e)
+                    finally:
+                        self._cond.acquire()
+                        self._stepping = False
+                    self._results.update(results)
+                    self._cond.notify_all()
+                    first = time.monotonic()
+                    continue
+                self._cond.wait(timeout=max(0.05, self.gather_timeout_s - (time.monotonic() - first)))
+            result = self._results.pop(name)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _step_together(self, batches: dict[str, TrainBatch]) -> dict[str, dict[str, float] | BaseException]:
+        """One step of every adapter in ``batches``; an adapter whose batch or step fails gets its
+        exception (the others' steps still count)."""
+        results: dict[str, dict[str, float] | BaseException] = {}
+        plans = {}
+        for name, batch in batches.items():
+            try:
+                plans[name] = self.trainers[name]._plan(batch)
+            except Exception as e:  # noqa: BLE001 (this adapter's step fails alone)
+                results[name] = e
+        try:
+            outcomes = self._optimizer_steps({n: (batches[n], p[2]) for n, p in plans.items()})
+        except Exception as e:  # noqa: BLE001 (the shared forward or backward failed: every adapter's step did)
+            return {**results, **{n: e for n in plans}}
+        for name, (tokens, correction, _) in plans.items():
+            try:
+                results[name] = self.trainers[name]._summary(batches[name], tokens, correction, outcomes[name])
+            except Exception as e:  # noqa: BLE001
+                results[name] = e
+        self.fused_steps += 1
+        self.adapters_per_step.append(len(plans))
+        return results
+
+    def _optimizer_steps(self, work: dict[str, tuple[TrainBatch, list[TokenBatch]]]) -> dict[str, list]:
+        """Minibatch i of every adapter, stepped together: their micro-batches j in one forward
+        and one backward pass, then each adapter's own clip and optimizer step."""
+        outcomes: dict[str, list] = {name: [] for name in work}
+        for i in range(max(len(mbs) for _, mbs in work.values())):
+            active = {}
+            for name, (_, minibatches) in work.items():
+                if i >= len(minibatches):
+                    continue
+                trainer, mb = self.trainers[name], minibatches[i]
+                denom = trainer._denominator(mb)
+                if denom == 0:
+                    outcomes[name].append(None)
+                else:
+                    active[name] = (denom, trainer._trained_micro_batches(mb), defaultdict(list))
+            for j in range(max((len(m) for _, m, _ in active.values()), default=0)):
+                group = [(name, m[j]) for name, (_, m, _) in active.items() if j < len(m)]
+                logits = self._joint_logits(group, {name: work[name][0].temperature for name, _ in group})
+                total = None
+                for (name, mb), lg in zip(group, logits):
+                    trainer, (denom, _, parts) = self.trainers[name], active[name]
+                    loss, metrics = trainer._loss_of(mb, lg, denom)
+                    trainer._keep(parts, metrics)
+                    total = loss if total is None else total + loss
+                total.backward()
+            for name, (_, _, parts) in active.items():
+                outcomes[name].append(self.trainers[name]._apply(parts))
+        return outcomes
+
+    def _joint_logits(self, group: list[tuple[str, TokenBatch]], temperatures: dict[str, float]) -> list[Tensor]:
+        """One forward pass of every micro-batch in ``group`` (rows side by side, right-padded to the
+        widest), each routed to its adapter; each micro-batch's logits, cut back to its own width."""
+        width = max(mb.input_ids.shape[1] for _, mb in group)
+        ids, mask, pos, routes, at = [], [], [], [], 0
+        for name, mb in group:
+            pad = width - mb.input_ids.shape[1]
+            ids.append(nn.functional.pad(mb.input_ids, (0, pad), value=self.trainers[name].pad_id))
+            mask.append(nn.functional.pad(mb.attention_mask, (0, pad), value=0))
+            pos.append(nn.functional.pad(mb.position_ids, (0, pad), value=0))
+            routes.append((name, at, at + mb.num_rows))
+            at += mb.num_rows
+        with self.route(routes):
+            out = self.model(input_ids=torch.cat(ids), attention_mask=torch.cat(mask), position_ids=torch.cat(pos),
+                             use_cache=False).logits.float()
+        logits = []
+        for (name, mb), (_, start, stop) in zip(group, routes):
+            t = temperatures[name]
+            logits.append(out[start:stop, : mb.input_ids.shape[1]] / (t if t > 0 else 1.0))
+        return logits
+
+
+class BankedLoraTrainer(TorchTrainer):
+    """One adapter of an ``AdapterBank``: ``TorchTrainer``'s step, state and export for that adapter
+    alone, over the bank's base model; ``step`` is fused with the other adapters' (``AdapterBank.step``)."""
+
+    def __init__(self, bank: AdapterBank, name: str, lora: LoraConfig, train_cfg: TrainConfig,
+                 weight_store: WeightPublisher, storage_options: dict[str, Any] | None = None) -> None:
+        from miles_core.train.losses import setup_policy_loss
+        from miles_core.train.torch_trainer import _has_dropout
+
+        self.bank, self.name = bank, name
+        self.cfg, self.lora = train_cfg, lora
+        self.policy_loss = setup_policy_loss(train_cfg.loss)
+        self.weight_store, self.storage_options = weight_store, storage_options or {}
+        self.model = bank.model
+        self.device = next(bank.model.parameters()).device
+        self.ref_model = None
+        self._random_forward = lora.dropout > 0 or _has_dropout(bank.model)
+        self._mismatch_denom = None
+        self._named = bank.parameters_of(name)
+        self.params = list(self._named.values())
+        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+                                           weight_decay=train_cfg.weight_decay)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self._generator = torch.Generator().manual_seed(train_cfg.seed)
+        self._version = 0
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.bank.step(self.name, batch)
+
+    def _logits(self, model: nn.Module, mb: TokenBatch, temperature: float) -> Tensor:
+        with self.bank.route([(self.name, 0, mb.num_rows)] if self.bank.routes is not _BASE else []):
+            return super()._logits(model, mb, temperature)
+
+    @contextmanager
+    def _reference(self) -> Iterator[nn.Module]:
+        """The reference policy: the base, every adapter off."""
+        with self.bank.route(_BASE):
+            yield self.model
+
+    # -- weights and state
+
+    def weights(self) -> dict[str, Tensor]:
+        """The adapter's state dict under PEFT's names (as in its ``adapter_model.safetensors``)."""
+        return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in self._named.items()}
+
+    def merge(self) -> dict[str, Tensor]:
+        """The full policy state dict with this adapter merged into the base's weights."""
+        merged = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        for path, layer in self.bank.layers.items():
+            base_key = f"{path}.base.weight"
+            w = merged.pop(base_key)
+            if self.name in layer.lora_A:
+                delta = layer.lora_B[self.name].detach().cpu() @ layer.lora_A[self.name].detach().cpu()
+                w = w + layer.scaling[self.name] * delta
+            merged[f"{path}.weight"] = w
+            if f"{path}.base.bias" in merged:
+                merged[f"{path}.bias"] = merged.pop(f"{path}.base.bias")
+        return {k: v for k, v in merged.items() if ".lora_" not in k}
+
+    def export(self, version: int) -> str:
+        """Publish the adapter as ``version`` in PEFT's folder format (``adapter_config.json`` +
+        ``adapter_model.safetensors``), as ``TorchTrainer`` with LoRA does."""
+        import peft
+        from safetensors.torch import save_file
+
+        config = peft.LoraConfig(r=self.lora.rank, lora_alpha=self.lora.lora_alpha, lora_dropout=self.lora.dropout,
+                                 target_modules=list(self.lora.target_modules), task_type="CAUSAL_LM",
+                                 base_model_name_or_path=self.bank.model_dir, inference_mode=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            config.save_pretrained(tmp)
+            save_file(self.weights(), str(Path(tmp) / "adapter_model.safetensors"), metadata={"format": "pt"})
+            return self.weight_store.publish_folder(version, tmp)
+
+    def _model_state(self) -> dict[str, Tensor]:
+        return {k: p.detach() for k, p in self._named.items()}
+
+    def _load_model_state(self, weights: dict[str, Tensor]) -> None:
+        from miles_core.train.torch_trainer import _few
+
+        missing, unexpected = sorted(self._named.keys() - weights.keys()), sorted(weights.keys() - self._named.keys())
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match adapter {self.name!r} of the bank: missing {_few(missing)}, "
+                             f"unexpected {_few(unexpected)} (was it written with other target modules, or "
+                             "by a trainer without a shared base?)")
+        with torch.no_grad():
+            for k, p in self._named.items():
+                p.copy_(weights[k])
+
+
+_BASE: Routes = []
+"""The reference pass's routing: every row through the base alone (compared by identity)."""
+
+
+def _targets(lora: LoraConfig, module_path: str) -> bool:
+    """Whether ``lora.target_modules`` names this module (PEFT's rule for a list: the path ends in one of them)."""
+    return any(module_path == t or module_path.endswith(f".{t}") for t in lora.target_modules)
