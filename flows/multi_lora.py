@@ -199,6 +199,7 @@ def _summary(cfg: RunConfig, refs: RunRefs, run, before, seconds: float) -> dict
         "failed_adapters": sorted(run.failed),
         "groups_generated": sum(s.get("groups_written", 0) for s in stats),
         "samples_generated": sum(s.get("samples_finished", 0) for s in stats),
+        "training": run.training_summary(),
         "seconds": round(seconds, 1),
     }
 
@@ -255,7 +256,15 @@ def _report(cfg: RunConfig, summary: dict[str, Any]) -> str:
         "",
         f"- failed adapters: {', '.join(summary['failed_adapters']) or 'none'}",
         f"- groups generated (shared by all adapters): {summary['groups_generated']}",
+        f"- trained: {_training_line(summary['training'])}",
         f"- prompt ledgers (`miles audit`): {audit_line(summary['audit'])}",
         f"- run folder: `{summary['run_dir']}` (each adapter under `adapters/<name>/`)",
         f"- wall time: {summary['seconds']} s",
     ])
+
+
+def _training_line(training: dict[str, Any]) -> str:
+    if not training["shared_base"]:
+        return "a trainer (and a copy of the base) per adapter"
+    return (f"on one base model, {training['fused_steps']} fused steps of "
+            f"{training['adapters_per_fused_step']} adapters on average")

@@ -323,6 +323,15 @@ class MultiLoraRun:
             return self.bank.add(name, session.cfg.lora, session.cfg.trainer_config(), session.weights,
                                  session.cfg.storage.storage_options)
 
+    def training_summary(self) -> dict[str, Any]:
+        """How the adapters trained: on one base (with its fused steps and how many adapters each
+        had), or a trainer each."""
+        if not self.shares_base or not is_built(self, "bank"):
+            return {"shared_base": self.shares_base, "fused_steps": 0, "adapters_per_fused_step": None}
+        per_step = self.bank.adapters_per_step
+        return {"shared_base": True, "fused_steps": len(per_step),
+                "adapters_per_fused_step": round(sum(per_step) / len(per_step), 2) if per_step else None}
+
     def mark_finished(self, name: str, error: str | None = None) -> None:
         """Adapter ``name`` is done (``error`` None) or failed: it no longer holds the producer back."""
         with self._lock:
