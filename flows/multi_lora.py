@@ -6,7 +6,8 @@ rollout stream, so N adapters do not cost N rollouts.
   own adapter (``per_adapter``). See ``miles_core/multi_lora.py``.
 - One ``adapter-update`` subflow per adapter (children of the run in the UI, all running at once):
   ``train-<name>-<k>`` takes the adapter's next batch from its own cursor on the stream, trains
-  its own optimizer, publishes its version under ``adapters/<name>/weights`` and loads it into the
+  its own optimizer (on one base model shared by every adapter, the adapters' steps taken together:
+  ``multi_lora.shared_base``), publishes its version under ``adapters/<name>/weights`` and loads it into the
   engine by name; ``evaluate-<name>-step-<k>`` evaluates it beside everything else (nothing
   pauses). Metrics, evaluations and checkpoints go to ``adapters/<name>/``.
 - An adapter whose subflow fails fails alone: it stops holding the producer back and the others

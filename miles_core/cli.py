@@ -110,6 +110,7 @@ FLAGS: dict[str, str] = {
     "--lora-count": "multi_lora.n_adapters",
     "--multi-lora-rollout-source": "multi_lora.rollout_source",
     "--multi-lora-lead-adapter": "multi_lora.lead_adapter",
+    "--multi-lora-shared-base": "multi_lora.shared_base",
     "--device-pool": "resources.pool",
     "--rollout-slots": "resources.rollout_slots",
     "--train-slots": "resources.train_slots",

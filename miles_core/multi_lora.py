@@ -10,6 +10,11 @@
   its own config (``RunConfig.adapter_configs``) whose files live under ``adapters/<name>/``: its
   ``training`` side (trainer and optimizer, version counter, weight store, stream cursor
   ``cursors/rollout/adapter-<name>.json``), ``evals``, ``history`` and ``checkpoints``.
+- With ``multi_lora.shared_base`` (the default, on the torch backend) every adapter's trainer is a
+  ``BankedLoraTrainer`` of the run's one ``AdapterBank`` (``bank``): one copy of the base, and the
+  adapters' steps taken together, one forward and backward pass for all of them
+  (``miles_core.train.adapter_bank``); an adapter that leaves (``mark_finished``) stops the
+  others waiting for it.
 - The producer generates for all adapters:
   - ``shared``: every group once, by the base (or by ``lead_adapter``); each sample is stamped with
     every adapter's version at the time (``metadata["adapter_versions"]``), and every adapter trains
@@ -170,6 +175,9 @@ class MultiLoraRun:
         self.shares_base = cfg.multi_lora.shared_base and all(
             c.train.backend.type == "torch" for c in configs.values())
         """The adapters train on one base, their steps fused (``multi_lora.shared_base``, torch backend)."""
+        if cfg.multi_lora.shared_base and not self.shares_base:
+            log.info("multi_lora.shared_base needs the torch trainer backend: each adapter gets its own trainer "
+                     "and copy of the base")
         self._bank_lock = threading.Lock()
         self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in configs.items()}
         self._lock = threading.Lock()

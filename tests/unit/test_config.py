@@ -264,6 +264,8 @@ def test_multi_lora_flags_and_adapter_configs():
         assert acfg.mode == "fully_async" and acfg.multi_lora is None
         assert acfg.train.use_tis is False  # per-adapter samples are on-policy for their adapter
     assert _cfg("--lora-rank", "4", "--multi-lora-n-adapters", "2").multi_lora.names == ["adapter-0", "adapter-1"]
+    assert cfg.multi_lora.shared_base is True  # one base for every adapter, unless turned off
+    assert _cfg("--lora-rank", "4", "--lora-count", "2", "--no-multi-lora-shared-base").multi_lora.shared_base is False
 
 
 def test_multi_lora_adapter_overrides_are_merged_and_validated():
