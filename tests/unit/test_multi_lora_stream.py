@@ -160,9 +160,10 @@ def test_each_reader_has_its_own_cursor_and_the_slowest_live_one_holds_the_produ
         slow.commit()  # slow cursor 1: room for 2 more groups
         second = blocked.result(timeout=10)
     fast.commit()
-    time.sleep(0.3)
     assert sorted(g.group_index for g in second.groups) == [4, 5]
-    assert h.producer.stats.groups_started == 6
+    h.wait_until(lambda: h.producer.stats.groups_started == 6)  # room for 2 more, on a loaded machine too
+    time.sleep(0.3)
+    assert h.producer.stats.groups_started == 6, "no more than the slow reader's room"
     assert h.stream.reader("adapter-slow").cursor == 1 and h.stream.reader("adapter-fast").cursor == 5
 
     live.discard("adapter-slow")  # its trainer failed: it no longer holds anyone back
