@@ -172,13 +172,16 @@ def _run_adapters(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], lo
     adapter that finishes or fails leaves the producer's back-pressure at once."""
 
     def one(name: str):
-        state = adapter_update(cfg, refs, name, starts.get(name, 0), return_state=True)
-        error = None if state.is_completed() else (state.message or state.type.value)
-        if error:
-            (log.warning if stop_requested() else log.error)("adapter %s %s: %s", name,
-                                                             "stopped" if stop_requested() else "failed", error)
-        run.mark_finished(name, error)
-        return state
+        error = "its subflow did not finish"
+        try:
+            state = adapter_update(cfg, refs, name, starts.get(name, 0), return_state=True)
+            error = None if state.is_completed() else (state.message or state.type.value)
+            if error:
+                (log.warning if stop_requested() else log.error)("adapter %s %s: %s", name,
+                                                                 "stopped" if stop_requested() else "failed", error)
+            return state
+        finally:  # whatever happened, it no longer holds the producer or the other adapters' steps
+            run.mark_finished(name, error)
 
     with ThreadPoolExecutor(max_workers=len(run.names), thread_name_prefix="adapter") as pool:
         # each thread runs in a copy of this flow's context, so the subflows are children of the run

@@ -900,7 +900,7 @@ class MultiLoraConfig(_Base):
     (``miles_core.train.adapter_bank``). Needs the one-process ``torch`` trainer backend (on
     another backend each adapter gets its own trainer). False: one trainer, and one copy of the
     base, per adapter, each stepping on its own."""
-    gather_timeout_s: float = Field(default=30.0, gt=0)
+    gather_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     """``shared_base``: how long the adapters that handed in a batch wait for the others before
     stepping without them (an adapter still waiting for its data)."""
 

@@ -61,19 +61,21 @@ Routes = list[tuple[str | None, int, int]]
 class BankLinear(nn.Module):
     """A frozen linear layer with any number of LoRA adapters, applied to the rows the bank routes to each."""
 
-    def __init__(self, base: nn.Linear, bank: AdapterBank) -> None:
+    def __init__(self, base: nn.Linear, bank: AdapterBank, path: str) -> None:
         super().__init__()
-        self.base, self._bank = base, [bank]  # a list: the bank is not a submodule
+        self.base, self._bank, self.path = base, [bank], path  # a list: the bank is not a submodule
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         self.scaling: dict[str, float] = {}
         self.dropout: dict[str, float] = {}
 
     def add(self, name: str, lora: LoraConfig, generator: torch.Generator) -> None:
         w = self.base.weight
-        a = torch.empty(lora.rank, self.base.in_features, dtype=w.dtype)
+        # as PEFT does, an adapter of a half-precision base trains in fp32 (small updates survive rounding)
+        dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+        a = torch.empty(lora.rank, self.base.in_features, dtype=dtype)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's default init of A
         self.lora_A[name] = nn.Parameter(a.to(w.device))
-        self.lora_B[name] = nn.Parameter(torch.zeros(self.base.out_features, lora.rank, dtype=w.dtype, device=w.device))
+        self.lora_B[name] = nn.Parameter(torch.zeros(self.base.out_features, lora.rank, dtype=dtype, device=w.device))
         self.scaling[name] = lora.lora_alpha / lora.rank
         self.dropout[name] = lora.dropout
 
@@ -82,6 +84,12 @@ class BankLinear(nn.Module):
         routes = [r for r in self._bank[0].routes if r[0] in self.lora_A]
         if not routes:
             return y
+        rows = self._bank[0].routes[-1][2]
+        if x.shape[0] != rows:
+            raise NotImplementedError(
+                f"adapter bank: {self.path} gets an input of {x.shape[0]} rows, not the pass's {rows} sequences "
+                "(a module that flattens its tokens, such as a MoE expert); leave it out of target_modules or "
+                "set multi_lora.shared_base = false")
         deltas, at = [], 0
         for name, start, stop in routes:
             if start > at:
@@ -89,7 +97,8 @@ class BankLinear(nn.Module):
             h = x[start:stop]
             if self.training and self.dropout[name] > 0:
                 h = nn.functional.dropout(h, self.dropout[name])
-            deltas.append((h @ self.lora_A[name].t()) @ self.lora_B[name].t() * self.scaling[name])
+            a, b = self.lora_A[name], self.lora_B[name]
+            deltas.append(((h.to(a.dtype) @ a.t()) @ b.t() * self.scaling[name]).to(y.dtype))
             at = stop
         if at < y.shape[0]:
             deltas.append(y.new_zeros((y.shape[0] - at, *y.shape[1:])))
@@ -115,9 +124,12 @@ class AdapterBank:
         self.gather_timeout_s = gather_timeout_s
         self._cond = threading.Condition()
         self._live: set[str] = set()
-        self._pending: dict[str, TrainBatch] = {}
-        self._results: dict[str, dict[str, float] | BaseException] = {}
+        self._pending: dict[str, tuple[object, TrainBatch]] = {}
+        """Adapter -> (the ticket of its ``step`` call, its batch), until a step takes it."""
+        self._results: dict[object, dict[str, float] | BaseException] = {}
+        self._abandoned: set[object] = set()
         self._stepping = False
+        self._last_step_end = 0.0
         self.fused_steps = 0
         """How many fused steps the bank has taken (and ``adapters_per_step``: how many adapters each had)."""
         self.adapters_per_step: list[int] = []
@@ -137,12 +149,14 @@ class AdapterBank:
                 if not _targets(lora, full):
                     continue
                 if isinstance(layer, nn.Linear):
-                    layer = BankLinear(layer, self)
+                    layer = BankLinear(layer, self, full)
                     setattr(module, child, layer)
                     self.layers[full] = layer
-                if isinstance(layer, BankLinear):
-                    layer.add(name, lora, generator)
-                    matched += 1
+                if not isinstance(layer, BankLinear):
+                    raise ValueError(f"adapter {name!r}: target {full} is a {type(layer).__name__}; the adapter bank "
+                                     "adapts linear layers only (set multi_lora.shared_base = false for PEFT's)")
+                layer.add(name, lora, generator)
+                matched += 1
         if matched == 0:
             raise ValueError(f"adapter {name!r}: no linear module of the model matches target_modules "
                              f"{list(lora.target_modules)}")
@@ -155,8 +169,8 @@ class AdapterBank:
     def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         """Adapter ``name``'s parameters under PEFT's saved names (``base_model.model.<module>.lora_A.weight``)."""
         out = {}
-        for path, layer in self.layers.items():
-            if name in layer.lora_A:
+        for path, layer in self.model.named_modules():  # the model's order (PEFT's): not the order adapters came in
+            if isinstance(layer, BankLinear) and name in layer.lora_A:
                 out[f"base_model.model.{path}.lora_A.weight"] = layer.lora_A[name]
                 out[f"base_model.model.{path}.lora_B.weight"] = layer.lora_B[name]
         return out
@@ -181,36 +195,53 @@ class AdapterBank:
 
     def step(self, name: str, batch: TrainBatch) -> dict[str, float]:
         """Adapter ``name``'s step on ``batch``, taken together with the other adapters' (module docstring)."""
+        ticket = object()
         with self._cond:
-            self._pending[name] = batch  # one that left steps with the others, or alone, never holding them back
+            self._pending[name] = (ticket, batch)  # one that left steps with the others, or alone, never holding them back
             self._cond.notify_all()
-            first = time.monotonic()
-            while name not in self._results:
-                ready = self._live <= self._pending.keys()
-                late = time.monotonic() - first >= self.gather_timeout_s
-                if not self._stepping and self._pending and (ready or late):
-                    if not ready:
-                        log.info("adapter bank: stepping %s without %s (not ready after %.0f s)",
-                                 ", ".join(sorted(self._pending)), ", ".join(sorted(self._live - self._pending.keys())),
-                                 self.gather_timeout_s)
-                    batches, self._pending, self._stepping = dict(self._pending), {}, True
-                    self._cond.release()
-                    try:
-                        results = self._step_together(batches)
-                    except BaseException as e:  # Ctrl-C in the middle: every waiting adapter gets it, none hangs
-                        results = dict.fromkeys(batches, e)
-                    finally:
-                        self._cond.acquire()
-                        self._stepping = False
-                    self._results.update(results)
-                    self._cond.notify_all()
-                    first = time.monotonic()
-                    continue
-                self._cond.wait(timeout=max(0.05, self.gather_timeout_s - (time.monotonic() - first)))
-            result = self._results.pop(name)
+            arrived = time.monotonic()
+            try:
+                while ticket not in self._results:
+                    # waiting behind another group's step does not count towards the gather timeout
+                    since = max(arrived, self._last_step_end)
+                    ready = self._live <= self._pending.keys()
+                    late = time.monotonic() - since >= self.gather_timeout_s
+                    if not self._stepping and self._pending and (ready or late):
+                        self._step_pending(ready)
+                        continue
+                    left = self.gather_timeout_s - (time.monotonic() - since)
+                    self._cond.wait(timeout=min(max(0.05, left), threading.TIMEOUT_MAX))
+            except BaseException:  # interrupted while waiting: its batch is not stepped, or its result dropped
+                if self._pending.get(name, (None,))[0] is ticket:
+                    del self._pending[name]
+                self._abandoned.add(ticket)
+                raise
+            result = self._results.pop(ticket)
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def _step_pending(self, ready: bool) -> None:
+        """Step every pending batch (called holding the lock; steps without it)."""
+        if not ready:
+            log.info("adapter bank: stepping %s without %s (not ready after %.0f s)", ", ".join(sorted(self._pending)),
+                     ", ".join(sorted(self._live - self._pending.keys())), self.gather_timeout_s)
+        taken = dict(sorted(self._pending.items()))  # rows in name order: the same pass whoever came first
+        self._pending, self._stepping = {}, True
+        self._cond.release()
+        try:
+            results = self._step_together({n: b for n, (_, b) in taken.items()})
+        except BaseException as e:  # Ctrl-C in the middle: every waiting adapter gets it, none hangs
+            results = dict.fromkeys(taken, e)
+        finally:
+            self._cond.acquire()
+            self._stepping, self._last_step_end = False, time.monotonic()
+        for n, (ticket, _) in taken.items():
+            if ticket in self._abandoned:
+                self._abandoned.discard(ticket)
+            else:
+                self._results[ticket] = results[n]
+        self._cond.notify_all()
 
     def _step_together(self, batches: dict[str, TrainBatch]) -> dict[str, dict[str, float] | BaseException]:
         """One step of every adapter in ``batches``; an adapter whose batch or step fails gets its
@@ -339,7 +370,7 @@ class BankedLoraTrainer(TorchTrainer):
             w = merged.pop(base_key)
             if self.name in layer.lora_A:
                 delta = layer.lora_B[self.name].detach().cpu() @ layer.lora_A[self.name].detach().cpu()
-                w = w + layer.scaling[self.name] * delta
+                w = (w.float() + layer.scaling[self.name] * delta.float()).to(w.dtype)
             merged[f"{path}.weight"] = w
             if f"{path}.base.bias" in merged:
                 merged[f"{path}.bias"] = merged.pop(f"{path}.base.bias")
@@ -365,6 +396,9 @@ class BankedLoraTrainer(TorchTrainer):
     def _load_model_state(self, weights: dict[str, Tensor]) -> None:
         from miles_core.train.torch_trainer import _few
 
+        # a checkpoint of a trainer of its own (PEFT's parameter names carry the adapter's name)
+        weights = {k.replace(f".lora_A.{self.name}.", ".lora_A.").replace(f".lora_B.{self.name}.", ".lora_B."): v
+                   for k, v in weights.items()}
         missing, unexpected = sorted(self._named.keys() - weights.keys()), sorted(weights.keys() - self._named.keys())
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match adapter {self.name!r} of the bank: missing {_few(missing)}, "

@@ -5,6 +5,7 @@ failing adapter fails alone; checkpoints round-trip."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -146,3 +147,23 @@ def test_checkpoint_round_trip_and_a_mismatched_checkpoint_is_named(tiny_model_d
         torch.testing.assert_close(fresh["d"].weights()[k], v, atol=0, rtol=0)
     with pytest.raises(ValueError, match="adapter 'b' of the bank: missing"):
         fresh["b"].load_state_dict(state)
+
+
+def test_a_checkpoint_of_a_peft_trainer_resumes_on_the_bank(tiny_model_dir, tmp_path):
+    """A run checkpointed with a trainer per adapter (PEFT's parameter names) resumes on one base:
+    the same adapter weights, and AdamW's moments on the same tensors (both in module order)."""
+    lora, cfg = ADAPTERS["b"]
+    peft_trainer = TorchTrainer(str(tiny_model_dir), cfg, FolderWeightStore(tmp_path / "peft"), lora=lora)
+    peft_trainer.step(make_batch(REWARDS_A))
+    bank, trainers = bank_of(tiny_model_dir, tmp_path)
+    trainers["b"].load_state_dict(copy.deepcopy(peft_trainer.state_dict()))  # as saved: no tensor shared
+    assert trainers["b"].version == 1
+    for k, v in peft_trainer.weights().items():
+        torch.testing.assert_close(trainers["b"].weights()[k], v, atol=0, rtol=0)
+    want = peft_trainer.step(make_batch(REWARDS_B))
+    got, errors = step_in_threads({"b": trainers["b"]}, {"b": make_batch(REWARDS_B)})
+    assert not errors
+    assert got["b"]["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["b"]["grad_norm"] == pytest.approx(
+        want["grad_norm"], rel=1e-5)
+    for k, v in peft_trainer.weights().items():
+        torch.testing.assert_close(trainers["b"].weights()[k], v, atol=1e-6, rtol=1e-5)
