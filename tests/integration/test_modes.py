@@ -83,7 +83,9 @@ def test_fully_async_mode_trains_from_the_stream_and_stops_cleanly(prefect_backe
                 "trainer_idle_fraction", "async/dropped_total"):
         assert key in rows[-1], key
     assert max(r["staleness_max"] for r in rows) <= 4
-    assert rows[-1]["async/weight_updates"] >= 6, "the producer loads new versions while it runs"
+    # the producer loads new versions while it runs: with staleness at most 4 over 12 steps it must
+    # have loaded at least 3 (how many more depends on the machine's load: 5 on a busy CI run)
+    assert rows[-1]["async/weight_updates"] >= 3, "the producer loads new versions while it runs"
     # the trainer mostly does not wait once the producer is ahead
     later = rows[2:]
     assert sum(r["trainer_wait_seconds"] for r in later) < 0.25 * sum(r["step_seconds"] for r in later)
