@@ -72,8 +72,6 @@ def producer_tokens(run_dir: str) -> int:
 
 def train_seconds(metrics_files: list[Path]) -> float:
     """Median seconds of one adapter's train step (steps after the first two) over the runs' metrics."""
-    import statistics
-
     times = [json.loads(line)["train_seconds"] for f in metrics_files for line in f.read_text().splitlines()[2:]]
     return statistics.median(times)
 

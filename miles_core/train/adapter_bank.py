@@ -130,9 +130,8 @@ class AdapterBank:
         self._abandoned: set[object] = set()
         self._stepping = False
         self._last_step_end = 0.0
-        self.fused_steps = 0
-        """How many fused steps the bank has taken (and ``adapters_per_step``: how many adapters each had)."""
         self.adapters_per_step: list[int] = []
+        """How many adapters each fused step the bank has taken had."""
 
     # -- adapters
 
@@ -262,7 +261,6 @@ class AdapterBank:
                 results[name] = self.trainers[name]._summary(batches[name], tokens, correction, outcomes[name])
             except Exception as e:  # noqa: BLE001
                 results[name] = e
-        self.fused_steps += 1
         self.adapters_per_step.append(len(plans))
         return results
 
