@@ -11,9 +11,12 @@ decoded, the advantages computed, the trainer steps (its parts timed by wrapping
 calls: collation, the old-logprob and reference passes, the loss forward, backward, gradient
 clipping, the optimizer), the new version is exported and published to a local ``WeightStore``,
 and an in-process ``HFEngine`` loads it. "Other" is what the trainer's step spends outside the
-timed parts. The last row is the physical limit on this CPU: one forward + backward + AdamW of
-the same padded batch (one pass of the whole batch) in a bare torch loop, stepped right after
-each of our steps on the same batch (interleaved, so the machine's load falls on both alike).
+timed parts. Below the parts: the physical limit of the plain layout on this CPU, one forward +
+backward + AdamW of the same padded batch (one pass of the whole batch, every row prompt +
+response) in a bare torch loop; and the same trainer with ``share_prompt_forward = false`` (every
+row runs its prompt: what the trainer did before prompts were shared). Both step right after each
+of our steps on the same batch (interleaved, so the machine's load falls on all alike). The shared
+prompt pass computes each prompt once per micro-batch, so our step can be below that limit.
 
 Median of ``--steps`` steps after two warm-up steps, per part."""
 
@@ -99,8 +102,9 @@ def toy_groups(tokenizer, prompts: int, per_prompt: int, lengths: tuple[int, int
     return groups
 
 
-def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, float], float, int, int, float]:
-    """(median seconds per part, median whole step, tokens per batch, padded width, the bare limit)."""
+def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, float], float, int, int, float, float]:
+    """(median seconds per part, median whole step, tokens per batch, padded width, the bare limit,
+    the plain-pass trainer's step)."""
     import torch
 
     from miles_core.config import HFEngineConfig, TrainConfig
@@ -129,7 +133,8 @@ def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, f
     clock.wrap(torch.nn.utils, "clip_grad_norm_", "clip grad norm")
     lengths = WORKLOADS[name]
     bare = BareLoop(model_dir)
-    whole, limit = [], []
+    plain = setup_trainer(cfg.model_copy(update={"share_prompt_forward": False}), model_dir, store, "float32")
+    whole, limit, plain_steps = [], [], []
     tokens = width = 0
     try:
         for i in range(steps + 2):
@@ -153,13 +158,17 @@ def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, f
             else:
                 clock.step.clear()
             limit.append(bare.step(batch))
-            clock.step.clear()  # the bare loop's backward went through the wrapped torch.autograd.backward too
+            t0 = time.perf_counter()
+            plain.step(batch)
+            plain_steps.append(time.perf_counter() - t0)
+            clock.step.clear()  # the bare loop's and the plain trainer's parts went through the wrapped functions too
             tokens = sum(s.total_len for s in batch.samples)
             width = max(s.total_len for s in batch.samples)
     finally:
         clock.unwrap()
         asyncio.run(engine.close())
-    return clock.medians(), statistics.median(whole[2:]), tokens, width, statistics.median(limit[2:])
+    return (clock.medians(), statistics.median(whole[2:]), tokens, width, statistics.median(limit[2:]),
+            statistics.median(plain_steps[2:]))
 
 
 class BareLoop:
@@ -229,6 +238,10 @@ def main(steps: int) -> str:
         f"**{results[n][4] * 1e3:.1f}** | " for n in WORKLOADS) + " |")
     lines.append("| trainer step / limit | " + " | ".join(
         f"{trainer[n] / results[n][4]:.2f}x | " for n in WORKLOADS) + " |")
+    lines.append("| trainer step, plain pass (`share_prompt_forward = false`) | " + " | ".join(
+        f"{results[n][5] * 1e3:.1f} | " for n in WORKLOADS) + " |")
+    lines.append("| plain-pass trainer step / limit | " + " | ".join(
+        f"{results[n][5] / results[n][4]:.2f}x | " for n in WORKLOADS) + " |")
     lines.append("| tokens per batch (padded width) | " + " | ".join(
         f"{results[n][2]} ({results[n][3]}) | " for n in WORKLOADS) + " |")
     return "\n".join(lines)

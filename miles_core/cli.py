@@ -52,6 +52,7 @@ FLAGS: dict[str, str] = {
     "--global-batch-size": "train.global_batch_size",
     "--num-steps-per-rollout": "train.num_steps_per_rollout",
     "--micro-batch-size": "train.micro_batch_size",
+    "--share-prompt-forward": "train.share_prompt_forward",
     "--lr": "train.lr",
     "--weight-decay": "train.weight_decay",
     "--adam-beta1": "train.adam_beta1",

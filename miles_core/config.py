@@ -544,6 +544,11 @@ class TrainConfig(_Base):
     first train on samples drawn by older weights: see the ``offpolicy_*`` metrics."""
     micro_batch_size: int = Field(default=64, ge=1)
     """Samples per forward/backward pass; gradients accumulate up to ``global_batch_size``."""
+    share_prompt_forward: bool = True
+    """Run each prompt once per micro-batch, its samples' responses on top of its cached keys and
+    values (``train.shared_prompt``): the same logprobs and gradients up to rounding, at (n - 1) / n
+    less compute on prompt tokens. Micro-batches are cut so a prompt's samples sit together. Off:
+    every row runs prompt + response (needed for a model without a Hugging Face attention cache)."""
     lr: float = Field(default=1e-4, gt=0.0, le=1.0)
     """AdamW learning rate (constant). 1e-4 suits the tiny demo model; real models want ~1e-6."""
     weight_decay: float = Field(default=0.0, ge=0.0)

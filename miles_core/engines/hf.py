@@ -3,7 +3,8 @@
 Parts:
 - ``HFEngine``: the ``RolloutEngine`` over a Hugging Face causal LM loaded in this process. It runs
   its own KV-cached decode loop over left-padded batches (``position_ids = mask.cumsum(-1) - 1``),
-  so each output token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw
+  prefilling each distinct prompt of a batch once (the n samples of a prompt then decode from
+  copies of its keys and values, as a server's prefix cache would give them), so each output token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw
   logits when T is 0), the quantity the trainer recomputes.
 - ``EngineStats``: counters of dispatches, decode batches and calls served (``HFEngine.stats``).
 - ``sample_tokens``: one decode step's temperature / top-k / top-p sampling, by inverse CDF.
@@ -372,15 +373,26 @@ class HFEngine:
             return
         self.stats.batches_run += 1
         uniforms = self._uniforms(rows, sampler)
-        ids, mask = self._left_pad([row.req.prompt_ids for row in rows])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         kv = {self._cache_kwarg: cache, "use_cache": True}
         adapters = [row.req.adapter or BASE_ADAPTER for row in rows] if self.adapters else None
+        # each distinct prompt (and adapter) is prefilled once; its rows then share its keys and values
+        prompts: dict[tuple, int] = {}
+        which = [prompts.setdefault((tuple(row.req.prompt_ids), adapters and adapters[i]), i) for i, row in enumerate(rows)]
+        firsts = list(dict.fromkeys(which))
+        ids, mask = self._left_pad([rows[i].req.prompt_ids for i in firsts])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         if adapters is not None:  # PEFT's mixed-adapter batches: one adapter (or the base) per row
-            kv["adapter_names"] = adapters
+            kv["adapter_names"] = [adapters[i] for i in firsts]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kv)
         logits = out.logits[:, -1].float()
+        if len(firsts) < len(rows):
+            slot = {first: k for k, first in enumerate(firsts)}
+            expand = torch.tensor([slot[i] for i in which], device=self.device)
+            cache.batch_select_indices(expand)
+            mask, logits = mask[expand], logits[expand]
+            if adapters is not None:
+                kv["adapter_names"] = adapters
         next_pos = mask.sum(-1, keepdim=True)
         live = list(range(len(rows)))  # batch row -> index into rows
         for step in range(max(row.req.sampling.max_new_tokens for row in rows)):

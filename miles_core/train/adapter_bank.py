@@ -31,6 +31,7 @@ trainer is the one-process torch backend.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import tempfile
@@ -38,7 +39,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from miles_core.train.batch import TokenBatch
+from miles_core.train.shared_prompt import Route, Rows, forward_logits
 from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher
 
 if TYPE_CHECKING:
@@ -295,23 +297,38 @@ class AdapterBank:
 
     def _joint_logits(self, group: list[tuple[str, TokenBatch]], temperatures: dict[str, float]) -> list[Tensor]:
         """One forward pass of every micro-batch in ``group`` (rows side by side, right-padded to the
-        widest), each routed to its adapter; each micro-batch's logits, cut back to its own width."""
+        widest), each routed to its adapter; each micro-batch's logits, cut back to its own width.
+        With ``share_prompt_forward``, each adapter's prompts run once (``shared_prompt``), never
+        shared across adapters: their weights differ."""
         width = max(mb.input_ids.shape[1] for _, mb in group)
-        ids, mask, pos, routes, at = [], [], [], [], 0
-        for name, mb in group:
+        names = [name for name, _ in group]
+        owner = torch.cat([torch.full((mb.num_rows,), k, dtype=torch.long) for k, (_, mb) in enumerate(group)])
+        prompts = 1 + max(int(mb.prompt_index.max()) for _, mb in group)
+        fields = [[] for _ in Rows._fields]
+        for k, (name, mb) in enumerate(group):
             pad = width - mb.input_ids.shape[1]
-            ids.append(nn.functional.pad(mb.input_ids, (0, pad), value=self.trainers[name].pad_id))
-            mask.append(nn.functional.pad(mb.attention_mask, (0, pad), value=0))
-            pos.append(nn.functional.pad(mb.position_ids, (0, pad), value=0))
-            routes.append((name, at, at + mb.num_rows))
-            at += mb.num_rows
-        with self.route(routes):
-            out = self.model(input_ids=torch.cat(ids), attention_mask=torch.cat(mask), position_ids=torch.cat(pos),
-                             use_cache=False).logits.float()
-        logits = []
-        for (name, mb), (_, start, stop) in zip(group, routes):
+            fields[0].append(nn.functional.pad(mb.input_ids, (0, pad), value=self.trainers[name].pad_id))
+            fields[1].append(nn.functional.pad(mb.attention_mask, (0, pad), value=0))
+            fields[2].append(nn.functional.pad(mb.position_ids, (0, pad), value=0))
+            fields[3].append(mb.lengths)
+            fields[4].append(mb.prompt_lens)
+            fields[5].append(mb.prompt_index + k * prompts)  # adapter k's prompts after adapter k - 1's
+        rows = Rows(*(torch.cat(f) for f in fields))
+        owner = owner.to(rows.input_ids.device)
+
+        def route(pass_rows: Tensor) -> AbstractContextManager:
+            # a pass's rows are in adapter order (the prompt pass's too: its keys sort by adapter first)
+            counts = torch.bincount(owner[pass_rows], minlength=len(names)).tolist()
+            bounds = [0, *itertools.accumulate(counts)]
+            return self.route([(n, bounds[k], bounds[k + 1]) for k, n in enumerate(names) if counts[k]])
+
+        share = all(self.trainers[name].cfg.share_prompt_forward for name in names)
+        out = forward_logits(self.model, rows, share, route).float()
+        logits, at = [], 0
+        for name, mb in group:
             t = temperatures[name]
-            logits.append(out[start:stop, : mb.input_ids.shape[1]] / (t if t > 0 else 1.0))
+            logits.append(out[at : at + mb.num_rows, : mb.input_ids.shape[1]] / (t if t > 0 else 1.0))
+            at += mb.num_rows
         return logits
 
 
@@ -344,9 +361,14 @@ class BankedLoraTrainer(TorchTrainer):
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.bank.step(self.name, batch)
 
-    def _logits(self, model: nn.Module, mb: TokenBatch, temperature: float) -> Tensor:
-        with self.bank.route([(self.name, 0, mb.num_rows)] if self.bank.routes is not _BASE else []):
-            return super()._logits(model, mb, temperature)
+    def _logits(self, model: nn.Module, mb: TokenBatch, temperature: float, route: Route | None = None) -> Tensor:
+        if route is None and self.bank.routes is not _BASE:  # the reference pass keeps the base's routing
+            route = self._route
+        return super()._logits(model, mb, temperature, route)
+
+    def _route(self, rows: Tensor) -> AbstractContextManager:
+        """Every row of a pass through this adapter."""
+        return self.bank.route([(self.name, 0, len(rows))])
 
     @contextmanager
     def _reference(self) -> Iterator[nn.Module]:

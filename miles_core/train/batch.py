@@ -12,6 +12,9 @@ The last column predicts nothing (mask 0).
 A sample whose reward is None (a failed sample, see ``advantages``) keeps its row but gets a zero
 loss mask, so it adds nothing to any loss, KL term or token count.
 
+Rows with the same prompt tokens share a ``prompt_index``: the trainer runs such a prompt once
+per micro-batch (``shared_prompt``).
+
 ``TokenBatch.select(rows)`` takes a subset of rows (a minibatch or micro-batch), trimmed to its own
 longest row; per-row and per-token tensors the trainer attaches (advantages, old / reference
 logprobs, rollout-correction weights) ride along.
@@ -46,6 +49,10 @@ class TokenBatch:
     """[B, L] the engine's logprob of labels[:, p] (0 where unknown)."""
     lengths: Tensor
     """[B] real tokens per row."""
+    prompt_lens: Tensor
+    """[B] prompt tokens per row (the first ``prompt_lens`` of its ``lengths``)."""
+    prompt_index: Tensor
+    """[B] rows with the same prompt tokens have the same index (``shared_prompt``)."""
     advantages: Tensor | None = None
     """[B] one advantage per row."""
     old_logprobs: Tensor | None = None
@@ -136,6 +143,14 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TokenBatch:
         loss_mask=torch.from_numpy(loss_mask),
         rollout_logprobs=torch.from_numpy(rollout_logprobs),
         lengths=torch.from_numpy(lengths),
+        prompt_lens=torch.from_numpy(prompt_lens),
+        prompt_index=torch.tensor(_prompt_index(samples), dtype=torch.long),
         has_rollout_logprobs=torch.tensor([len(s.rollout_logprobs) == len(s.response_ids) for s in samples],
                                           dtype=torch.float32),
     )
+
+
+def _prompt_index(samples: list[Sample]) -> list[int]:
+    """Each sample's prompt as a number: equal prompt tokens, equal numbers (in order of first appearance)."""
+    seen: dict[tuple[int, ...], int] = {}
+    return [seen.setdefault(tuple(s.prompt_ids), len(seen)) for s in samples]

@@ -196,9 +196,9 @@ class DeepSpeedTrainer(TorchTrainer):
 
     # ------------------------------------------------------------------------------------ step
 
-    def _logits(self, model: torch.nn.Module, mb: TokenBatch, temperature: float) -> Tensor:
+    def _logits(self, model: torch.nn.Module, mb: TokenBatch, temperature: float, route=None) -> Tensor:
         # the policy's passes go through the engine (its forward hooks: ZeRO-3 gathers, bf16)
-        return super()._logits(self.engine if model is self.model else model, mb, temperature)
+        return super()._logits(self.engine if model is self.model else model, mb, temperature, route)
 
     def _rank_micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
         """This rank's share of ``tokens`` in micro-batches: (row indices into ``tokens``, rows).

@@ -13,7 +13,9 @@ One ``step(batch)``:
 3. shuffle the samples (seeded generator, saved in checkpoints) and cut them into optimizer
    minibatches (``TrainConfig.minibatch_sizes``: ``global_batch_size`` samples each, or
    ``num_steps_per_rollout`` equal parts, or the whole batch in one step; a minibatch with no
-   trained token is skipped: no optimizer step, no new version);
+   trained token is skipped: no optimizer step, no new version). With ``share_prompt_forward``
+   (the default), a minibatch's rows are ordered by prompt, so a micro-batch runs each of its
+   prompts once (``shared_prompt``);
 4. per minibatch, accumulate gradients over micro-batches of ``micro_batch_size`` samples. Each
    micro-batch's loss is divided by the *minibatch's* denominator (its masked-token count for
    ``token_mean``, its number of trained sequences for ``seq_mean`` / ``seq_sum``; the policy loss
@@ -83,6 +85,7 @@ from miles_core.train.losses import (
     setup_policy_loss,
     token_logprobs,
 )
+from miles_core.train.shared_prompt import Route, forward_logits
 from miles_core.types import Sample
 
 if TYPE_CHECKING:
@@ -181,7 +184,10 @@ class TorchTrainer:
         tokens, correction_metrics = self._prepare(batch)
         n = tokens.num_rows
         order = torch.randperm(n, generator=self._generator).to(self.device)
-        return tokens, correction_metrics, [tokens.select(rows) for rows in order.split(self.cfg.minibatch_sizes(n))]
+        chunks = order.split(self.cfg.minibatch_sizes(n))
+        if self.cfg.share_prompt_forward:  # a prompt's samples side by side, so micro-batches share its pass
+            chunks = [rows[torch.argsort(tokens.prompt_index[rows], stable=True)] for rows in chunks]
+        return tokens, correction_metrics, [tokens.select(rows) for rows in chunks]
 
     def _summary(self, batch: TrainBatch, tokens: TokenBatch, correction_metrics: dict[str, float],
                  results: list[dict[str, float] | None]) -> dict[str, float]:
@@ -286,11 +292,11 @@ class TorchTrainer:
         for start in range(0, tokens.num_rows, self.cfg.micro_batch_size):
             yield tokens.select(rows[start : start + self.cfg.micro_batch_size])
 
-    def _logits(self, model: torch.nn.Module, mb: TokenBatch, temperature: float) -> Tensor:
-        out = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
-        )
-        return out.logits.float() / (temperature if temperature > 0 else 1.0)
+    def _logits(self, model: torch.nn.Module, mb: TokenBatch, temperature: float, route: Route | None = None) -> Tensor:
+        """The logits of ``model`` at ``temperature``, aligned like ``mb.labels`` (the shared-prompt
+        pass when ``share_prompt_forward`` is on: ``shared_prompt``)."""
+        logits = forward_logits(model, mb, self.cfg.share_prompt_forward, route)
+        return logits.float() / (temperature if temperature > 0 else 1.0)
 
     @torch.no_grad()
     def _forward_logprobs(self, model: torch.nn.Module, tokens: TokenBatch, temperature: float) -> Tensor:

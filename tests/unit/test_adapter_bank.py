@@ -54,8 +54,12 @@ def step_in_threads(trainers, batches):
     return results, errors
 
 
-def test_each_adapters_fused_step_is_its_own_peft_step(tiny_model_dir, tmp_path):
-    separate = {n: TorchTrainer(str(tiny_model_dir), cfg, FolderWeightStore(tmp_path / f"sep-{n}"), lora=lora)
+@pytest.mark.parametrize("peft_shares_prompts", [True, False])
+def test_each_adapters_fused_step_is_its_own_peft_step(tiny_model_dir, tmp_path, peft_shares_prompts):
+    """The bank's fused pass runs each adapter's prompts once (never one adapter's for another's):
+    the same step as a PEFT trainer of that adapter alone, with or without sharing prompts."""
+    separate = {n: TorchTrainer(str(tiny_model_dir), cfg.model_copy(update={"share_prompt_forward": peft_shares_prompts}),
+                                FolderWeightStore(tmp_path / f"sep-{n}"), lora=lora)
                 for n, (lora, cfg) in ADAPTERS.items()}
     bank, fused = bank_of(tiny_model_dir, tmp_path)
     for n in ADAPTERS:  # the same starting A (B is zero in both)

@@ -186,6 +186,25 @@ def test_batch_size_does_not_change_outputs(tiny_model_dir, engine):
     ]
 
 
+def test_each_distinct_prompt_is_prefilled_once(engine):
+    """n samples of a prompt decode from one prefill of it (as a prefix cache would serve them):
+    the first forward pass of the batch has one row per distinct prompt, the outputs are those of
+    the same requests one by one."""
+    tok = engine.tokenizer
+    reqs = [GenerateRequest(tok.encode(p), seeded_params(seed=i), rid=f"r{i}")  # 2 prompts x 4 samples
+            for i, p in enumerate(PROMPTS[:2] * 4)]
+    widths = []
+    hook = engine.model.register_forward_hook(lambda m, args, kwargs, out: widths.append(kwargs["input_ids"].shape),
+                                              with_kwargs=True)
+    together = asyncio.run(engine.generate(reqs))
+    hook.remove()
+    assert widths[0][0] == 2 and all(w == (8, 1) for w in widths[1:2])
+    one_by_one = [asyncio.run(engine.generate([q]))[0] for q in reqs]
+    assert len({tuple(r.output_ids) for r in together[::2]}) > 1, "a prompt's samples differ: rows were not mixed up"
+    assert [r.output_ids for r in together] == [r.output_ids for r in one_by_one]
+    assert [r.logprobs for r in together] == [pytest.approx(r.logprobs, abs=1e-5) for r in one_by_one]
+
+
 def test_update_weights_from_a_memory_folder(engine, tmp_path):
     import fsspec
 

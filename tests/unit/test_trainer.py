@@ -558,8 +558,15 @@ def test_trainer_state_saves_and_loads_through_a_storage_outage(tiny_model_dir, 
 
 
 def count_forwards(trainer):
-    calls = []
-    trainer.model.register_forward_hook(lambda *_: calls.append(1))
+    """The passes of the policy over a micro-batch (a shared-prompt pass is one, in two model calls)."""
+    calls, logits = [], trainer._logits
+
+    def counted(model, *args, **kwargs):
+        if model is trainer.model:
+            calls.append(1)
+        return logits(model, *args, **kwargs)
+
+    trainer._logits = counted
     return calls
 
 
@@ -623,3 +630,85 @@ def test_a_random_training_forward_keeps_the_separate_old_logprob_pass(tiny_mode
     trainer.model.model.layers[0].self_attn.o_proj = torch.nn.Sequential(trainer.model.model.layers[0].self_attn.o_proj,
                                                                           torch.nn.Dropout(0.1))
     assert _has_dropout(trainer.model)
+
+
+# ---------------------------------------------------------------------------------- shared prompt
+
+
+def mixed_samples():
+    """Both groups' samples interleaved (so a micro-batch holds both prompts, of 4 and 5 tokens), a
+    prompt of its own that occurs once, and a sample with an empty response."""
+    tok = build_tokenizer()
+    a, b = (g.samples for g in make_groups(REWARDS_A))
+    lone_ids = tok.encode("99+99=", add_special_tokens=False)
+    lone = Sample("99+99=", lone_ids, tok.encode("198", add_special_tokens=False), "198", reward=1.0,
+                  loss_mask=[1, 1, 1])
+    empty = Sample(a[0].prompt, a[0].prompt_ids, [], "", reward=0.0, loss_mask=[])
+    return [x for pair in zip(a, b) for x in pair] + [lone, empty]
+
+
+def test_shared_prompt_pass_gives_the_plain_pass_logprobs_and_gradients(tiny_model_dir, tmp_path):
+    """Each prompt once, its responses on its cached keys and values: every trained token's logprob
+    and the gradient of a loss over them equal the plain pass's (up to rounding), in two model calls."""
+    from miles_core.train.shared_prompt import forward_logits
+
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    tb = collate(mixed_samples())
+    assert tb.prompt_index.tolist() == [0, 1] * 4 + [2, 0]
+    weights = torch.linspace(-1, 1, tb.loss_mask.numel()).view_as(tb.loss_mask) * tb.loss_mask
+    results = {}
+    for share in (False, True):
+        calls = []
+        hook = trainer.model.register_forward_hook(lambda *_: calls.append(1))
+        trainer.model.zero_grad()
+        logprobs = token_logprobs(forward_logits(trainer.model, tb, share).float(), tb.labels)
+        (logprobs * weights).sum().backward()
+        hook.remove()
+        results[share] = (logprobs.detach(), {k: p.grad.clone() for k, p in trainer.model.named_parameters()}, calls)
+    (plain, plain_grads, plain_calls), (shared, shared_grads, shared_calls) = results[False], results[True]
+    assert (len(plain_calls), len(shared_calls)) == (1, 2)
+    trained = tb.loss_mask.bool()
+    assert trained.sum() > 20
+    torch.testing.assert_close(shared[trained], plain[trained], atol=1e-5, rtol=0)
+    assert (shared[trained] - plain[trained]).abs().max() < 1e-5
+    for k, g in plain_grads.items():
+        assert g.abs().max() > 0, k
+        torch.testing.assert_close(shared_grads[k], g, atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_rows_without_a_shared_prompt_take_the_plain_pass(tiny_model_dir, tmp_path):
+    from miles_core.train.shared_prompt import forward_logits
+
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    tb = collate([g.samples[0] for g in make_groups(REWARDS_A)])  # two rows, two prompts: nothing to share
+    calls = []
+    trainer.model.register_forward_hook(lambda *_: calls.append(1))
+    forward_logits(trainer.model, tb, share=True)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("micro", [3, 8])
+def test_a_step_with_shared_prompts_equals_the_plain_step(tiny_model_dir, tmp_path, micro):
+    """The whole step (micro-batches cut with a prompt's samples side by side) gives the weights
+    and metrics of the plain step."""
+    shared, plain = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro, share_prompt_forward=share)
+                     for share in (True, False))
+    for rewards in (REWARDS_A, REWARDS_B):
+        m_shared, m_plain = shared.step(make_batch(rewards)), plain.step(make_batch(rewards))
+        for k in ("loss", "pg_loss", "entropy", "grad_norm", "train_tokens"):
+            assert m_shared[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-7), k
+    before = params(make_trainer(tiny_model_dir, tmp_path))
+    assert any(not torch.equal(v, before[k]) for k, v in params(shared).items())
+    assert_same_params(shared, plain, atol=1e-6)
+
+
+def test_the_cache_argument_follows_the_installed_transformers(tiny_model_dir, tmp_path):
+    import inspect
+
+    from miles_core.train.shared_prompt import cache_kwarg
+
+    model = make_trainer(tiny_model_dir, tmp_path).model
+    assert cache_kwarg(model) in inspect.signature(type(model).forward).parameters
+    with pytest.raises(TypeError, match="share_prompt_forward = false"):
+        cache_kwarg(torch.nn.Linear(2, 2))
+
