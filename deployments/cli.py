@@ -39,12 +39,12 @@ def cli_parser() -> argparse.ArgumentParser:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     text = "serve a model folder under SGLang's HTTP API (transformers engine, CPU)"
-    engine_server.add_arguments(sub.add_parser("engine-serve", help=text, description=text))
+    engine_server.add_arguments(sub.add_parser("engine-serve", help=text, description=text, allow_abbrev=False))
     text = "a local Prefect server on PostgreSQL (start | stop | status), for concurrent runs and the UI"
-    prefect_server.add_arguments(sub.add_parser("server", help=text, description=text))
+    prefect_server.add_arguments(sub.add_parser("server", help=text, description=text, allow_abbrev=False))
     serve_deployments.add_arguments(sub.choices["serve"])
     text = "audit a run's prompt ledger: what became of every prompt; exits 1 if any was lost or trained twice"
-    audit = sub.add_parser("audit", help=text, description=text)
+    audit = sub.add_parser("audit", help=text, description=text, allow_abbrev=False)
     audit.add_argument("run_dir", metavar="RUN", help="the run's folder (a path, or a URL such as s3://bucket/runs/NAME/ID)")
     audit.add_argument("--json", action="store_true", help="print the audit as JSON")
     audit.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         from miles_core.config_doc import config_markdown
 
         print(config_markdown(), end="")
+        return 0
+    if args.command == "flags-doc":
+        from miles_core.miles_flags import flags_markdown
+
+        print(flags_markdown(), end="")
         return 0
     try:
         cfg = resolve_config(args)
@@ -130,7 +135,7 @@ def _without_run_id(argv: list[str]) -> list[str]:
 
 
 def _train(command: str, cfg) -> int:
-    if command == "train-multi-lora":
+    if command == "train-multi-lora" or cfg.multi_lora is not None:  # Miles' train --lora-count N too
         if cfg.multi_lora is None:
             print("error: train-multi-lora needs adapters: --lora-count N (with --lora-rank R), or a [multi_lora] "
                   "section with adapters", file=sys.stderr)

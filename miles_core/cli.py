@@ -3,7 +3,9 @@
 ``miles train --config configs/toy.toml --rollout-batch-size 16 ...`` builds a ``RunConfig`` from a
 TOML file (or the defaults), applies Miles-named flags on top, and runs the train flow.
 ``miles show-config`` prints the resolved config; ``miles build-model`` builds or finds the
-built-in tiny model; ``miles config-doc`` prints the config reference (markdown).
+built-in tiny model; ``miles config-doc`` prints the config reference and ``miles flags-doc``
+every Miles flag with what it does here (markdown). Every Miles flag is taken or refused with a hint
+(``miles_flags``), and no flag is read as an abbreviation of another.
 
 Flags map to config fields through ``FLAGS`` (flag -> dotted path); their help text is the field's
 docstring. ``--set a.b=value`` reaches any field without a flag. This module imports only the config
@@ -84,6 +86,7 @@ FLAGS: dict[str, str] = {
     "--eval-prompt-data": "eval.data.path",
     "--n-samples-per-eval-prompt": "eval.n_samples_per_prompt",
     "--eval-temperature": "eval.temperature",
+    "--eval-top-p": "eval.top_p",
     "--eval-max-response-len": "eval.max_response_len",
     "--eval-num-prompts": "eval.num_prompts",
     "--skip-eval-before-train": "eval.skip_eval_before_train",
@@ -117,6 +120,7 @@ FLAGS: dict[str, str] = {
     "--train-slots": "resources.train_slots",
     "--eval-slots": "resources.eval_slots",
     "--storage-root": "storage.root",
+    "--save": "storage.root",  # Miles' checkpoint folder: here the run folder, checkpoints and all, goes under it
     "--storage-credentials-block": "storage.credentials_block",
     "--segment-compression": "storage.segment_compression",
 }
@@ -188,7 +192,8 @@ def _optional(conv):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles", description="RL post-training of language models on Prefect.")
+    # no abbreviations: Miles' --save must never be taken as --save-interval
+    parser = _Parser(prog="miles", description="RL post-training of language models on Prefect.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     helps = {
         "train": "run a training flow",
@@ -197,10 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
         "show-config": "print the resolved run config as JSON (nothing runs)",
         "build-model": "build (or find in the cache) the starting model and print its folder",
         "config-doc": "print the config reference as markdown",
+        "flags-doc": "print every Miles flag and what it does here, as markdown",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text)
-        if name == "config-doc":
+        p = sub.add_parser(name, help=text, description=text, allow_abbrev=False)
+        if name in ("config-doc", "flags-doc"):
             continue
         p.add_argument("--config", help="TOML run config to start from (default: built-in defaults)")
         p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
@@ -216,7 +222,56 @@ def build_parser() -> argparse.ArgumentParser:
                        "name and path NAME PATH [NAME PATH ...] [eval.datasets]; files are read with the training data's keys")
         for flag, (path, value) in SWITCHES.items():
             p.add_argument(flag, dest=f"switch:{path}", action="store_const", const=value, default=argparse.SUPPRESS, help=f"set {path}={value!r}")
+        _add_miles_flags(p)
     return parser
+
+
+def _add_miles_flags(p: argparse.ArgumentParser) -> None:
+    """Miles' flags that ``FLAGS`` and ``SWITCHES`` do not cover: the few taken here with a meaning of
+    their own (``miles_flags.NOTES``), and every other one refused with what to use instead."""
+    from miles_core.miles_flags import NOTES, miles_flags, unsupported
+
+    p.add_argument("--load", dest="miles:load", metavar="RUN_FOLDER", default=argparse.SUPPRESS,
+                   help=f"resume this run: {NOTES['--load']}")
+    p.add_argument("--use-kl-loss", dest="miles:use_kl_loss", action="store_true", default=argparse.SUPPRESS,
+                   help=NOTES["--use-kl-loss"])
+    for flag, key in (("--eval-input-key", "input_key"), ("--eval-label-key", "label_key")):
+        p.add_argument(flag, dest=f"miles:eval_{key}", metavar=key.upper(), default=argparse.SUPPRESS,
+                       help=NOTES[flag])
+    p.add_argument("--lr-decay-style", dest="miles:lr_decay_style", metavar="STYLE", default=argparse.SUPPRESS,
+                   help=NOTES["--lr-decay-style"])
+    for flag in miles_flags():
+        hint = unsupported(flag)
+        if hint is not None and flag not in p._option_string_actions:
+            p.add_argument(flag, action=_Refuse, hint=hint)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Unknown flags that are Miles' (``--sglang-<any SGLang flag>`` and the like) get their hint."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001 (argparse's signature)
+        from miles_core.miles_flags import unsupported
+
+        parsed, extra = self.parse_known_args(args, namespace)
+        for arg in extra:
+            flag = arg.split("=", 1)[0]
+            hint = unsupported(flag) if flag.startswith("--") else "no equivalent here"
+            if hint != "no equivalent here":
+                self.error(f"{flag} is a Miles flag not supported here; {hint}")
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
+class _Refuse(argparse.Action):
+    """A Miles flag not supported here: using it stops the command with what to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, hint: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is a Miles flag not supported here; {self.hint}")
 
 
 def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
@@ -231,7 +286,7 @@ def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """Defaults <- TOML file <- flags <- --set, validated once at the end."""
-    data: dict[str, Any] = RunConfig.from_toml(args.config).model_dump() if args.config else {}
+    data: dict[str, Any] = RunConfig.read_toml(args.config) if args.config else {}  # as written: nothing derived yet
     top_level = {path for path in FLAGS.values() if "." not in path}
     overrides = {k: v for k, v in vars(args).items() if "." in k or k in top_level}
     for key, value in overrides.items():
@@ -249,6 +304,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     for key, value in vars(args).items():
         if key.startswith("switch:"):
             _set_path(data, key.removeprefix("switch:"), value)
+    _apply_miles_flags(data, {k.removeprefix("miles:"): v for k, v in vars(args).items() if k.startswith("miles:")})
     for item in args.set:
         path, sep, text = item.partition("=")
         if not sep:
@@ -281,6 +337,55 @@ def _set_eval_prompt_data(data: dict[str, Any], values: list[str]) -> None:
     pairs = zip(values[::2], values[1::2])
     ev["data"] = None
     ev["datasets"] = [{"name": name, "data": {**inherited, "type": "file", "path": path}} for name, path in pairs]
+
+
+def _apply_miles_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
+    """The Miles flags with a meaning of their own here (``miles_flags.NOTES``)."""
+    if "load" in given:
+        _set_run_folder(data, given["load"])
+    if given.get("use_kl_loss") and not (data.get("train") or {}).get("kl_loss_coef"):
+        raise SystemExit("--use-kl-loss needs --kl-loss-coef > 0: here the KL term is in the loss exactly when its "
+                         "coefficient is above 0 (Miles only logs the KL with a coefficient of 0)")
+    style = given.get("lr_decay_style")
+    if style is not None and style != "constant":
+        raise SystemExit(f"--lr-decay-style {style}: not supported here; the learning rate is constant (--lr), "
+                         "as with --lr-decay-style constant")
+    for key in ("input_key", "label_key"):
+        if f"eval_{key}" in given:
+            _set_eval_key(data, key, given[f"eval_{key}"])
+
+
+def _set_run_folder(data: dict[str, Any], folder: str) -> None:
+    """``--load <root>/<name>/<run id>``: run there (resuming from its latest checkpoint)."""
+    import os
+    import posixpath
+
+    path = folder.rstrip("/")
+    local = "://" not in path
+    if local and not os.path.isdir(path):
+        raise SystemExit(f"--load {folder}: no such run folder (a run's folder is <storage root>/<name>/<run id>; "
+                         "the run's first lines print it)")
+    root, name, run_id = posixpath.dirname(posixpath.dirname(path)), posixpath.basename(posixpath.dirname(path)), \
+        posixpath.basename(path)
+    if not (root and name and run_id):
+        raise SystemExit(f"--load {folder}: expected a run folder, <storage root>/<name>/<run id>")
+    if local and not os.path.isdir(os.path.join(path, "checkpoints")):
+        raise SystemExit(f"--load {folder}: that run has no checkpoints to resume from (runs save them with "
+                         "--save-interval N)")
+    data["name"], data["run_id"] = name, run_id
+    _set_path(data, "storage.root", root)
+
+
+def _set_eval_key(data: dict[str, Any], key: str, value: str) -> None:
+    """``--eval-input-key`` / ``--eval-label-key``: that key in every held-out file dataset."""
+    ev = data.get("eval") or {}
+    tables = [ev.get("data")] + [d.get("data") for d in ev.get("datasets") or []]
+    files = [t for t in tables if isinstance(t, dict) and t.get("type") == "file"]
+    if not files:
+        raise SystemExit(f"--eval-{key.replace('_', '-')} sets a key of held-out files: add --eval-prompt-data "
+                         "[NAME] PATH ...")
+    for t in files:
+        t[key] = value
 
 
 def _check_file_flags(data: dict[str, Any]) -> None:

@@ -485,7 +485,8 @@ class DrGRPOLossConfig(_PPOClip):
     """Loss variant: ``grpo``, ``dr_grpo``, ``gspo``, ``reinforce_plus_plus`` or ``reinforce_plus_plus_baseline``
     (``--advantage-estimator``)."""
     max_len: int | None = Field(default=None, ge=1)
-    """The constant divisor (None: ``rollout.rollout_max_response_len``, filled in by ``RunConfig``)."""
+    """The constant divisor (None: ``rollout.rollout_max_response_len``, as ``RunConfig.trainer_config()``
+    gives it to the trainer)."""
 
 
 class GSPOLossConfig(_PPOClip):
@@ -678,6 +679,8 @@ class EvalDatasetConfig(_Base):
     """Responses per prompt; pass@k is reported for k up to this (None: ``eval.n_samples_per_prompt``)."""
     temperature: float | None = Field(default=None, ge=0.0)
     """Sampling temperature (None: ``eval.temperature``)."""
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (None: ``eval.top_p``)."""
     max_response_len: int | None = Field(default=None, ge=1)
     """Max new tokens (None: ``eval.max_response_len``, then the rollout's)."""
     reward: str | None = None
@@ -716,6 +719,8 @@ class EvalConfig(_Base):
     """Responses per prompt (pass@k is reported for k up to this)."""
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of evaluation (0: greedy)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold of evaluation (1: off; Miles' ``--eval-top-p``)."""
     max_response_len: int | None = Field(default=None, ge=1)
     """Max new tokens (None: same as rollout)."""
     reward: str | None = None
@@ -765,6 +770,7 @@ class EvalConfig(_Base):
             "num_prompts": self.num_prompts,
             "n_samples_per_prompt": self.n_samples_per_prompt,
             "temperature": self.temperature,
+            "top_p": self.top_p,
             "max_response_len": max_len if max_len is not None else rollout.rollout_max_response_len,
             "reward": reward if reward is not None else rollout.reward,
         }
@@ -1017,9 +1023,6 @@ class RunConfig(_Base):
         if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
             raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
         self.train.minibatch_sizes(samples)  # global_batch_size and num_steps_per_rollout agree
-        if isinstance(self.train.loss, DrGRPOLossConfig) and self.train.loss.max_len is None:
-            # Dr.GRPO's constant is the generation budget; written into the config so the run records it
-            self.train.loss.max_len = self.rollout.rollout_max_response_len
         if self.async_rollout.partial_rollout and self.rollout.custom_generate_function_path:
             raise ValueError(
                 "async_rollout.partial_rollout cannot continue samples of a custom generate function "
@@ -1055,12 +1058,16 @@ class RunConfig(_Base):
         self.adapter_configs()  # every adapter's overrides make a valid config
 
     def trainer_config(self) -> TrainConfig:
-        """``train`` as the trainer takes it: ``use_tis`` None decided for this run's mode (on in the
-        async modes with recomputed old logprobs, else off)."""
-        if self.train.use_tis is not None:
-            return self.train
-        on = self.mode != "sync" and self.train.old_logprobs == "recompute"
-        return self.train.model_copy(update={"use_tis": on})
+        """``train`` as the trainer takes it, what this run decides filled in (the config itself is
+        never written to): ``use_tis`` None decided for the mode (on in the async modes with
+        recomputed old logprobs, else off); Dr.GRPO's ``max_len`` None is the generation budget,
+        ``rollout.rollout_max_response_len``."""
+        update: dict[str, Any] = {}
+        if self.train.use_tis is None:
+            update["use_tis"] = self.mode != "sync" and self.train.old_logprobs == "recompute"
+        if isinstance(self.train.loss, DrGRPOLossConfig) and self.train.loss.max_len is None:
+            update["loss"] = self.train.loss.model_copy(update={"max_len": self.rollout.rollout_max_response_len})
+        return self.train.model_copy(update=update) if update else self.train
 
     def adapter_configs(self) -> dict[str, RunConfig]:
         """Each adapter's own run config (multi-LoRA): this one with the adapter's LoRA and train
@@ -1097,14 +1104,18 @@ class RunConfig(_Base):
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
         """Load a config file; errors name the file and the offending field."""
+        return cls.model_validate_file_dict(cls.read_toml(path), source=str(path))
+
+    @staticmethod
+    def read_toml(path: str | Path) -> dict[str, Any]:
+        """A config file's tables as written (not validated: flags go on top before validation)."""
         path = Path(path)
         try:
-            raw = tomllib.loads(path.read_text())
+            return tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise FileNotFoundError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: not valid TOML: {e}") from None
-        return cls.model_validate_file_dict(raw, source=str(path))
 
     @classmethod
     def model_validate_file_dict(cls, raw: dict[str, Any], source: str) -> RunConfig:

@@ -90,7 +90,7 @@ class Evaluator:
         from miles_core.rewards import score_groups
 
         r = self.cfg.rollout
-        params = sampling_params(dataset.max_response_len, dataset.temperature, stop=r.rollout_stop,
+        params = sampling_params(dataset.max_response_len, dataset.temperature, top_p=dataset.top_p, stop=r.rollout_stop,
                                  stop_token_ids=r.rollout_stop_token_ids)
         items = self.items[dataset.name]
         groups = self.loop.run(generate_groups(engine, items, dataset.n_samples_per_prompt, params, 0,

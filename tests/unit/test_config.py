@@ -81,9 +81,23 @@ def test_loss_flags_set_the_loss_union():
     assert cfg.train.loss.clip_high == 4e-4  # the GSPO paper's default upper range stays
     assert isinstance(_cfg("--advantage-estimator", "reinforce_plus_plus").train.loss, ReinforcePPLossConfig)
     # dr_grpo's constant length is the rollout's generation budget unless set
+    # (derived where the trainer takes it: the config keeps None, so it follows the rollout's length)
     cfg = _cfg("--advantage-estimator", "dr_grpo", "--rollout-max-response-len", "12")
-    assert isinstance(cfg.train.loss, DrGRPOLossConfig) and cfg.train.loss.max_len == 12
-    assert _cfg("--advantage-estimator", "dr_grpo", "--set", "train.loss.max_len=64").train.loss.max_len == 64
+    assert isinstance(cfg.train.loss, DrGRPOLossConfig) and cfg.train.loss.max_len is None
+    assert cfg.trainer_config().loss.max_len == 12
+    assert _cfg("--advantage-estimator", "dr_grpo", "--set", "train.loss.max_len=64").trainer_config().loss.max_len == 64
+
+
+def test_flags_apply_to_the_file_as_written_so_nothing_derived_goes_stale(tmp_path):
+    """A file with dr_grpo and 8-token responses, run with --rollout-max-response-len 512: Dr.GRPO's
+    constant follows the flag (the file's config was once validated, filled in, re-dumped and the
+    flag applied after, which kept 8)."""
+    path = tmp_path / "run.toml"
+    path.write_text('[rollout]\nrollout_max_response_len = 8\n[train.loss]\ntype = "dr_grpo"\n')
+    assert RunConfig.from_toml(path).trainer_config().loss.max_len == 8
+    cfg = _cfg("--config", str(path), "--rollout-max-response-len", "512")
+    assert cfg.rollout.rollout_max_response_len == 512 and cfg.trainer_config().loss.max_len == 512
+    assert cfg.train.loss.max_len is None  # validation wrote nothing into the config
 
 
 def test_loss_config_is_validated():

@@ -1,0 +1,179 @@
+"""Every Miles flag, and what it does here: the ``miles`` command's compatibility table.
+
+- ``miles_flags()``: Miles' flags (``miles_flags.txt``: Miles' own argument files, the Megatron
+  flags it re-defaults, its FSDP backend's), then the ones Miles' execution-mode documents use that
+  Miles itself does not define (``--lora-count``, ``--model``, ``--sglang-enable-ep-moe``).
+- ``unsupported(flag)``: None when ``miles`` takes the flag (``cli.FLAGS``, ``cli.SWITCHES`` or a
+  flag ``cli`` handles itself), else what to use instead. ``cli.build_parser`` registers every
+  unsupported flag so that using it stops with that hint: no Miles flag is ignored, and none is
+  taken for an abbreviation of another.
+- ``NOTES``: how a supported flag differs from Miles' meaning.
+- ``flags_markdown()``: ``docs/miles-flags.md`` (a unit test keeps it current).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+MODE_FLAGS = ("--fully-async", "--num-rollout", "--model", "--rollout-batch-size", "--num-steps-per-rollout",
+              "--eval-interval", "--async-max-concurrent-samples", "--async-unused-samples-handler", "--lora-count",
+              "--rollout-function-path", "--partial-rollout", "--sglang-server-concurrency",
+              "--use-rollout-routing-replay", "--sglang-enable-ep-moe")
+"""The flags Miles' documents of its execution modes (async, fully async, multi-LoRA) use."""
+DOC_FLAGS = ("--lora-count", "--model", "--sglang-enable-ep-moe")
+"""Of those, the ones Miles' argument files do not define."""
+
+SPECIAL = ("--config", "--load", "--use-kl-loss", "--eval-input-key", "--eval-label-key", "--lr-decay-style")
+"""Miles flags ``cli`` parses itself (not through ``FLAGS`` or ``SWITCHES``)."""
+
+NOTES = {
+    "--load": "a run folder (`<root>/<name>/<run id>`) to resume from its latest checkpoint; Miles: a "
+              "Megatron checkpoint root",
+    "--save": "the storage root (`storage.root`): the run folder, with its checkpoints, samples and "
+              "weights, goes under it; checkpoints every `--save-interval` steps",
+    "--use-kl-loss": "needs `--kl-loss-coef` > 0 (the KL term is in the loss exactly when its coefficient "
+                     "is); Miles only logs the KL when the coefficient is 0",
+    "--lora-count": "same as `--multi-lora-n-adapters` (Miles' docs spell it `--lora-count`); "
+                    "`miles train` then runs the multi-LoRA flow",
+    "--lr-decay-style": "only `constant`: the learning rate is constant here (Megatron's default is "
+                        "`linear`)",
+    "--rollout-seed": "the run's seed of prompt order and sampling (`seed`, also `--seed`)",
+    "--seed": "the run's seed of prompt order and sampling; the trainer's is `train.seed`",
+    "--train-backend": "`torch` or `deepspeed` (Miles: `megatron` or `fsdp`)",
+    "--eval-prompt-data": "`NAME PATH` pairs, as in Miles; one `PATH` alone is the single held-out set",
+    "--config": "a TOML run config (Miles: YAML of its own)",
+    "--eval-input-key": "the prompt key of every held-out file (default: the training data's `--input-key`)",
+    "--eval-label-key": "the label key of every held-out file (default: the training data's `--label-key`)",
+    "--rm-type": "a built-in reward by name",
+    "--micro-batch-size": "samples per forward/backward pass (Miles: per GPU)",
+    "--kl-loss-type": "`k1`, `k2`, `k3` (`low_var_kl` is `k3`, `kl` is `k1`)",
+}
+
+_GROUPS: list[tuple[tuple[str, ...], str]] = [
+    (("--sglang-", "--eval-sglang-", "--router-", "--use-miles-router", "--miles-router-", "--no-sglang-"),
+     "an SGLang server setting: start SGLang with it and point the run at the server (`engine.type = "
+     "\"sglang\"`, `engine.url`)"),
+    (("--actor-num-", "--critic-", "--rollout-num-gpus", "--num-gpus-per-node", "--colocate", "--offload",
+      "--pin-rollout-manager-to-head", "--eval-num-gpus", "--prefill-num-servers", "--num-critic-only-steps",
+      "--rollout-external"),
+     "placement is Prefect's here: producers and the trainer run as flow runs on their work pools "
+     "(`--rollout-deployment`, `--rollout-producers`, `--trainer-processes`, `--device-pool`)"),
+    (("--use-wandb", "--wandb-", "--disable-wandb-", "--use-tensorboard", "--tb-", "--tensorboard-dir",
+      "--use-mlflow", "--mlflow-", "--use-prometheus", "--prometheus-", "--use-miles-dashboard", "--dashboard-",
+      "--log-"),
+     "not yet: every step's metrics are in the run folder's `metrics.jsonl` and the run's Prefect "
+     "artifacts (curves, metrics table)"),
+    (("--lr-", "--min-lr", "--use-checkpoint-lr-scheduler", "--override-lr-scheduler", "--warmup-ratio"),
+     "the learning rate is constant here (`--lr`)"),
+    (("--update-weight-", "--p2p-transfer-", "--custom-update-weight-"),
+     "weights travel as versioned safetensors snapshots through the run's storage (`storage.root`)"),
+    (("--use-fault-tolerance", "--ft-components", "--rollout-health-check-", "--trainer-heartbeat-checker-",
+      "--mini-ft-controller-", "--control-server-port"),
+     "here producers heartbeat and are replaced (`--producer-heartbeat-timeout`, `--producer-restarts`), "
+     "and runs resume from checkpoints (`--save-interval`, `--run-id`)"),
+    (("--multi-lora-",),
+     "multi-LoRA here: `--lora-count N` (or `--multi-lora-n-adapters`) or a `[multi_lora]` table of adapters"),
+    (("--debug-", "--ci-", "--dumper-", "--memory-", "--profile-", "--check-", "--save-debug-", "--load-debug-",
+      "--dump-details", "--enable-event-analyzer", "--enable-witness", "--witness-", "--env-report",
+      "--record-memory-history", "--use-pytorch-profiler", "--save-local-weight-checksum"),
+     "one of Miles' debugging and CI hooks: no equivalent here"),
+    (("--megatron-", "--custom-megatron-", "--qkv-format", "--dsa-", "--miles-dsa-", "--mtp-", "--enable-mtp-",
+      "--fsdp-", "--extra-high-precision-", "--rematerialize-", "--check-rematerialize-", "--custom-model-provider-",
+      "--distributed-", "--padded-vocab-size", "--calculate-per-token-loss", "--attn-implementation",
+      "--gradient-checkpointing", "--keep-fp32-master", "--dp-replicate-size", "--context-parallel-size",
+      "--allgather-cp", "--indep-dp", "--linear-attention-backend", "--fp16", "--optimizer", "--adam-eps",
+      "--low-memory-resume", "--async-save", "--no-save-optim", "--stream-optimizer-state-", "--train-memory-",
+      "--train-env-vars", "--freeze-indexer", "--deterministic-mode"),
+     "a Megatron or FSDP setting: the trainer here is torch or DeepSpeed ZeRO (`--train-backend deepspeed`, "
+     "`--zero-stage`, `--deepspeed-precision`)"),
+]
+
+HINTS = {
+    "--model": "not a Miles flag (its documents' shorthand for the model): use `--hf-checkpoint PATH`",
+    "--model-name": "not needed: the model folder's `config.json` names its type (`--hf-checkpoint PATH`)",
+    "--ref-load": "the reference policy is the starting model (`--hf-checkpoint`); with LoRA, the base",
+    "--save-hf": "every version is a safetensors snapshot (a PEFT folder with LoRA) under the run folder's "
+                 "`weights/`",
+    "--num-epoch": "set `--num-rollout` (steps = epochs x prompts // `--rollout-batch-size`)",
+    "--over-sampling-batch-size": "fully-async mode (`--fully-async`) keeps generating until a batch of the "
+                                  "groups `--dynamic-sampling-filters` accept is full",
+    "--dynamic-sampling-filter-path": "`--dynamic-sampling-filters module:function` (or a built-in name: "
+                                      "`nonzero_reward_std`, `not_all_failed`)",
+    "--sglang-server-concurrency": "`--async-max-concurrent-samples` (samples in flight) or `engine.max_batch_size`",
+    "--use-rollout-routing-replay": "MoE routing replay: not supported",
+    "--use-routing-replay": "MoE routing replay: not supported",
+    "--custom-config-path": "`--config FILE.toml` (a TOML run config)",
+    "--eval-top-k": "evaluation samples with `--eval-temperature` and `--eval-top-p`",
+    "--wandb-project": "not yet: every step's metrics are in the run folder's `metrics.jsonl` and the run's "
+                       "Prefect artifacts",
+}
+
+
+@cache
+def miles_flags() -> tuple[str, ...]:
+    """Miles' flags (``miles_flags.txt``), then ``DOC_FLAGS``."""
+    lines = (Path(__file__).with_name("miles_flags.txt")).read_text().splitlines()
+    return tuple(dict.fromkeys([ln.strip() for ln in lines if ln.startswith("--")] + list(DOC_FLAGS)))
+
+
+def supported() -> set[str]:
+    from miles_core.cli import FLAGS, SWITCHES
+
+    return set(FLAGS) | set(SWITCHES) | set(SPECIAL)
+
+
+def unsupported(flag: str) -> str | None:
+    """None if ``miles`` takes ``flag``; else what to use instead."""
+    if flag in supported():
+        return None
+    if HINTS.get(flag):
+        return HINTS[flag]
+    for prefixes, hint in _GROUPS:
+        if flag.startswith(prefixes):
+            return hint
+    return "no equivalent here"
+
+
+def flags_markdown() -> str:
+    """``docs/miles-flags.md``: every flag of ``miles_flags()``, whether ``miles`` takes it, and what to
+    use where it does not."""
+    from miles_core.cli import FLAGS, SWITCHES
+
+    def row(flag: str) -> str:
+        hint = unsupported(flag)
+        if hint is not None:
+            return f"| `{flag}` | no | {hint} |"
+        target = FLAGS.get(flag) or (f"{SWITCHES[flag][0]} = {SWITCHES[flag][1]!r}" if flag in SWITCHES else "")
+        return f"| `{flag}` | {f'yes (`{target}`)' if target else 'yes'} | {NOTES.get(flag, '')} |"
+
+    head = ["| Miles flag | here | note / what to use instead |", "|---|---|---|"]
+    taken = sum(1 for f in miles_flags() if unsupported(f) is None)
+    return "\n".join([
+        "# Miles flags",
+        "",
+        "<!-- generated by `miles flags-doc`; a unit test keeps it current -->",
+        "",
+        f"Every flag of Miles' argument parsers ({len(miles_flags()) - len(DOC_FLAGS)}: Miles' own, the Megatron",
+        "flags it re-defaults, its FSDP backend's) and the ones its execution-mode documents use, and",
+        f"what `miles train` does with each. {taken} are taken; every other one stops the command with",
+        "the hint in its row, so no Miles flag is silently ignored (and none is read as an abbreviation of",
+        "another). Flags of ours that Miles does not have are in [config.md](config.md).",
+        "",
+        "## The flags of Miles' execution modes",
+        "",
+        "The ones Miles' documents of its async, fully-async and multi-LoRA modes use.",
+        "",
+        *head,
+        *(row(f) for f in MODE_FLAGS),
+        "",
+        "## Every Miles flag",
+        "",
+        "In the order of Miles' argument files. SGLang's own flags reach Miles as `--sglang-<flag>` and",
+        "`--eval-sglang-<flag>`; `miles` refuses any of them, saying to start SGLang with the setting and",
+        "point the run at the server (`engine.url`).",
+        "",
+        *head,
+        *(row(f) for f in miles_flags()),
+        "",
+    ])

@@ -1,0 +1,106 @@
+"""Miles' flags on the ``miles`` command: every one is taken or refused with what to use instead,
+none is read as an abbreviation of another, the few with a meaning of their own do what
+docs/miles-flags.md says, and that page is current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles_core.cli import build_parser, resolve_config
+from miles_core.miles_flags import MODE_FLAGS, flags_markdown, miles_flags, unsupported
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*argv: str):
+    return resolve_config(build_parser().parse_args(["show-config", *argv]))
+
+
+def _refusal(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        _cfg(*argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_miles_flag_is_taken_or_refused_with_a_hint(capsys):
+    parser = build_parser()
+    refused = [f for f in miles_flags() if unsupported(f) is not None]
+    assert len(refused) > 250 and len(miles_flags()) - len(refused) > 60
+    for flag in refused:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", flag, "1"])
+        err = capsys.readouterr().err
+        assert f"{flag} is a Miles flag not supported here; {unsupported(flag)}" in err, flag
+    # SGLang's own flags reach Miles as --sglang-<flag>: any of them gets the SGLang hint
+    assert "start SGLang with it" in _refusal(capsys, "--sglang-mem-fraction-static", "0.7")
+    assert "unrecognized arguments: --no-such-flag" in _refusal(capsys, "--no-such-flag")
+
+
+def test_no_flag_is_an_abbreviation_of_another(capsys):
+    assert "unrecognized arguments: --save-interv" in _refusal(capsys, "--save-interv", "3")
+    cfg = _cfg("--save", "/tmp/ckpt", "--save-interval", "5")  # Miles' --save is not --save-interval
+    assert cfg.storage.root == "/tmp/ckpt" and cfg.checkpoint.save_interval == 5
+
+
+def test_the_mode_documents_flags_are_listed_and_the_page_is_current():
+    page = (REPO / "docs" / "miles-flags.md").read_text()
+    assert page == flags_markdown(), "docs/miles-flags.md is stale: run `miles flags-doc > docs/miles-flags.md`"
+    for flag in MODE_FLAGS:
+        assert f"| `{flag}` |" in page.split("## Every Miles flag")[0], flag
+    assert unsupported("--fully-async") is None and unsupported("--lora-count") is None
+
+
+def test_use_kl_loss_needs_its_coefficient(capsys):
+    with pytest.raises(SystemExit, match="--use-kl-loss needs --kl-loss-coef > 0"):
+        _cfg("--use-kl-loss")
+    assert _cfg("--use-kl-loss", "--kl-loss-coef", "0.01").train.kl_loss_coef == 0.01
+
+
+def test_lr_decay_style_constant_is_the_only_one():
+    assert _cfg("--lr-decay-style", "constant").train.lr == 1e-4
+    with pytest.raises(SystemExit, match="--lr-decay-style cosine: not supported here; the learning rate is constant"):
+        _cfg("--lr-decay-style", "cosine")
+
+
+def test_eval_keys_apply_to_every_held_out_file(tmp_path):
+    cfg = _cfg("--prompt-data", "train.jsonl", "--input-key", "question", "--eval-prompt-data", "gsm8k", "a.jsonl",
+               "math", "b.jsonl", "--eval-input-key", "problem", "--eval-label-key", "solution", "--eval-top-p", "0.9")
+    assert [(d.data.input_key, d.data.label_key) for d in cfg.eval.datasets] == [("problem", "solution")] * 2
+    assert cfg.data.input_key == "question"  # the training data keeps its own
+    assert {d.top_p for d in cfg.eval.resolved(cfg.data, cfg.rollout)} == {0.9}
+    with pytest.raises(SystemExit, match="add --eval-prompt-data"):
+        _cfg("--eval-input-key", "problem")
+
+
+def test_load_resumes_a_run_folder(tmp_path):
+    run = tmp_path / "runs" / "gsm8k-grpo" / "20261204-0300"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = _cfg("--load", str(run))
+    assert (cfg.storage.root, cfg.name, cfg.run_id) == (str(tmp_path / "runs"), "gsm8k-grpo", "20261204-0300")
+    never_saved = tmp_path / "runs" / "other" / "20261204-0301"
+    never_saved.mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no checkpoints to resume from"):
+        _cfg("--load", str(never_saved))
+    with pytest.raises(SystemExit, match="no such run folder"):
+        _cfg("--load", str(tmp_path / "missing"))
+
+
+def test_lora_count_on_train_runs_the_multi_lora_flow(monkeypatch, capsys):
+    """``miles train --lora-rank 8 --lora-count 2`` trained one adapter once: it now goes to the
+    multi-LoRA flow, as ``train-multi-lora`` does (the flows themselves are tested in integration)."""
+    import flows.multi_lora
+    import flows.train
+    from deployments import cli
+
+    called = []
+    monkeypatch.setattr(flows.multi_lora, "train_multi_lora", lambda cfg: called.append(("multi", cfg)) or {})
+    monkeypatch.setattr(flows.train, "train", lambda cfg: called.append(("one", cfg)) or {})
+    monkeypatch.setattr(cli, "format_multi_lora_summary", lambda s: "multi")
+    monkeypatch.setattr(cli, "format_summary", lambda s: "one")
+    cli._train("train", _cfg("--lora-rank", "8", "--lora-count", "2"))
+    cli._train("train", _cfg("--lora-rank", "8"))
+    assert [kind for kind, _ in called] == ["multi", "one"]
+    assert len(called[0][1].multi_lora.names) == 2 and called[1][1].multi_lora is None
