@@ -29,6 +29,7 @@ FLAGS: dict[str, str] = {
     "--name": "name",
     "--run-id": "run_id",
     "--seed": "seed",
+    "--rollout-seed": "seed",  # Miles: the prompt order's and sampling's seed, which ``seed`` is here
     "--hf-checkpoint": "model.path",
     "--prompt-data": "data.path",
     "--input-key": "data.input_key",

@@ -402,3 +402,27 @@ def test_tis_is_on_by_default_in_the_async_modes_only(flags, expected):
     cfg = _cfg(*flags)
     assert cfg.trainer_config().use_tis is expected
     assert cfg.train.use_tis is (None if not {"--use-tis", "--no-use-tis"} & set(flags) else expected)
+
+
+def test_cross_field_rules_hold_on_assignment_and_a_refused_one_changes_nothing():
+    """``cfg.rollout.rollout_batch_size = 7`` beside ``global_batch_size = 64`` was accepted: an
+    assignment inside a run's config now meets the run's rules, and one that breaks them leaves the
+    config as it was (a copy, pickled or deep-copied, keeps the rule; equal configs stay equal)."""
+    import copy
+    import pickle
+
+    cfg = RunConfig.model_validate({"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 8},
+                                    "train": {"global_batch_size": 64}})
+    with pytest.raises(ValueError, match="global_batch_size=64 must divide the rollout batch"):
+        cfg.rollout.rollout_batch_size = 7
+    assert cfg.rollout.rollout_batch_size == 8
+    with pytest.raises(ValueError, match="must divide"):
+        cfg.train = cfg.train.model_copy(update={"global_batch_size": 48})
+    assert cfg.train.global_batch_size == 64
+    cfg.rollout.rollout_batch_size = 16  # 128 samples: two optimizer steps of 64
+    assert cfg.train.minibatch_sizes(128) == [64, 64]
+    for other in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert other == cfg
+        with pytest.raises(ValueError, match="must divide"):
+            other.rollout.n_samples_per_prompt = 3
+    assert RunConfig().rollout == RunConfig().rollout.model_copy() == type(RunConfig().rollout)()

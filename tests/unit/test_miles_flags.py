@@ -104,3 +104,7 @@ def test_lora_count_on_train_runs_the_multi_lora_flow(monkeypatch, capsys):
     cli._train("train", _cfg("--lora-rank", "8"))
     assert [kind for kind, _ in called] == ["multi", "one"]
     assert len(called[0][1].multi_lora.names) == 2 and called[1][1].multi_lora is None
+
+
+def test_rollout_seed_is_the_runs_seed():
+    assert _cfg("--rollout-seed", "7").seed == 7
