@@ -3,7 +3,8 @@
 Heavy imports (prefect, torch) happen only inside the command that needs them, so ``miles --help``
 and ``miles show-config`` answer at once. ``miles engine-serve`` takes its own flags (not a run
 config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``).
-``miles audit RUN`` prints what became of every prompt of a run (``miles_core.ledger``).
+``miles audit RUN`` prints what became of every prompt of a run (``miles_core.ledger``);
+``miles evaluate RUN`` evaluates a run's newest (or a given) version (``flows/evaluate.py``).
 ``miles server start|stop|status`` runs a local Prefect server on PostgreSQL (``deployments/server.py``)
 for concurrent runs and the UI; single runs keep Prefect's ephemeral default.
 
@@ -27,11 +28,16 @@ from miles_core.engines import server as engine_server
 from miles_core.storage.lease import RunBusy
 
 
-def _quiet_defaults() -> None:
-    """No hub, no progress bars, unless the user set otherwise. (Prefect's settings for runs, telemetry
-    off among them, were applied when ``deployments`` was imported: ``flows/prefect_defaults.py``.)"""
+def _quiet_defaults(verbose: bool = False) -> None:
+    """No hub; and unless ``--verbose``, no progress bars, deprecation notices or banners from the
+    libraries (``miles_core.quiet``), here and in every child process. Values the user set stay.
+    (Prefect's settings for runs, telemetry off among them, were applied when ``deployments`` was
+    imported: ``flows/prefect_defaults.py``.)"""
+    from miles_core.quiet import quiet_environment
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not verbose:
+        quiet_environment()
 
 
 def cli_parser() -> argparse.ArgumentParser:
@@ -49,6 +55,18 @@ def cli_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true", help="print the audit as JSON")
     audit.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
                        help="fsspec storage options for the run's URL, as JSON (e.g. an S3 endpoint)")
+    text = "evaluate a run's newest (or a given) version on its held-out data, or on other datasets"
+    ev = sub.add_parser("evaluate", help=text, description=text, allow_abbrev=False)
+    ev.add_argument("run_dir", metavar="RUN", help="a run's folder, or <storage root>/<name> for that name's newest run")
+    ev.add_argument("--version", type=int, default=None, help="the weight version (default: the newest)")
+    ev.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
+                    help="evaluate on these files instead of the run's held-out data: NAME PATH [NAME PATH ...], "
+                         "read with the run's data keys")
+    ev.add_argument("--eval-input-key", default=None, help="the prompt key of those files (default: the run's)")
+    ev.add_argument("--eval-label-key", default=None, help="the label key of those files (default: the run's)")
+    ev.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                    help="fsspec storage options for the run's URL, as JSON (e.g. an S3 endpoint)")
+    ev.add_argument("--verbose", action="store_true", help="show the libraries' progress bars and warnings")
     return parser
 
 
@@ -61,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return prefect_server.run(args)
     if args.command == "audit":
         return _audit(args)
+    if args.command == "evaluate":
+        _quiet_defaults(args.verbose)
+        return _evaluate(args)
     if args.command == "config-doc":
         from miles_core.config_doc import config_markdown
 
@@ -79,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(json.dumps(cfg.public_dict(), indent=2))
         return 0
-    _quiet_defaults()
+    _quiet_defaults(getattr(args, "verbose", False))
     if args.command == "build-model":
         from miles_core.models.tiny import ensure_model
 
@@ -120,6 +141,41 @@ def _audit(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result.to_json(), indent=2) if args.json else format_audit(result))
     return 0 if result.ok else 1
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    """``miles evaluate RUN``: the evaluate-run flow here (Prefect's ephemeral API unless one is set);
+    its rows as a table."""
+    from miles_core.eval.standalone import file_datasets, resolve_run_dir
+
+    options = args.storage_options or {}
+    try:
+        run_dir = resolve_run_dir(args.run_dir, options)
+        datasets = None if args.eval_prompt_data is None else file_datasets(
+            run_dir, args.eval_prompt_data, options, input_key=args.eval_input_key, label_key=args.eval_label_key)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: cannot evaluate {args.run_dir}: {e}", file=sys.stderr)
+        return 2
+    from flows.evaluate import evaluate_run
+
+    state = evaluate_run(run_dir, args.version, options, datasets, return_state=True)
+    if not state.is_completed():
+        print(f"error: the evaluation of {run_dir} {state.name.lower()}: {state.message}", file=sys.stderr)
+        return 1
+    rows = state.result()
+    print(format_eval_rows(run_dir, rows))
+    return 0
+
+
+def format_eval_rows(run_dir: str, rows: list[dict]) -> str:
+    named = sorted({k for r in rows for k in r if k.endswith("/accuracy")})
+    head = ["adapter", "version", "step", "accuracy", *named]
+    lines = ["", f"  {run_dir}", "  " + "  ".join(f"{h:>10}" for h in head)]
+    for r in rows:
+        cells = [r.get("adapter") or "-", r["version"], "-" if r.get("step") is None else r["step"], r["accuracy"],
+                 *(r.get(k) for k in named)]
+        lines.append("  " + "  ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c!s:>10}" for c in cells))
+    return "\n".join(lines)
 
 
 def _without_run_id(argv: list[str]) -> list[str]:

@@ -12,7 +12,9 @@ and flags, as ``miles train``):
 - ``evaluate-run/on-demand``: evaluate a run folder's newest (or a given) version;
 - ``evaluate-run/scheduled`` (with ``--eval-runs PATH`` and ``--eval-cron`` or ``--eval-every-s``):
   the same on a schedule, over ``PATH``: a run folder, or ``<storage.root>/<name>`` for the newest
-  run of that name.
+  run of that name; a tick with no run yet, or whose newest version was evaluated before, is one
+  log line and no evaluation (``only_new``), and one that comes due while the last still runs is
+  cancelled.
 
 The runs execute in this process's runner (``prefect.serve``), which also makes them cancellable
 from the UI. ``--device-slots gpu=8`` creates (or resizes) the global concurrency limit that runs
@@ -82,7 +84,7 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
         # cancelled, not started beside it (evaluations slower than their interval would pile up)
         one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
         out.append(evaluate_run.to_deployment(
-            name="scheduled", parameters={"run_dir": eval_runs}, tags=["eval", "scheduled"],
+            name="scheduled", parameters={"run_dir": eval_runs, "only_new": True}, tags=["eval", "scheduled"],
             description=f"Evaluate the newest version of {eval_runs} on a schedule (never two at once).",
             concurrency_limit=one_at_a_time, **schedule,
         ))

@@ -25,23 +25,54 @@ _TABLE_KEYS = ("evaluated_at", "adapter", "version", "step", "accuracy", "reward
 
 @task(name="evaluate-snapshot", cache_policy=NO_CACHE, task_run_name="evaluate-{run_name}")
 def evaluate_snapshot(run_dir: str, run_name: str, version: Optional[int], storage_options: dict,
-                      datasets: Optional[list[EvalDatasetConfig]] = None) -> list[dict]:
+                      datasets: Optional[list[EvalDatasetConfig]] = None, only_new: bool = False) -> list[dict]:
     cfg, _ = open_run(run_dir, storage_options)
     cfg = with_block_credentials(cfg)
-    return _evaluate_run(run_dir, version, cfg.storage.storage_options, cfg=cfg, datasets=datasets)
+    return _evaluate_run(run_dir, version, cfg.storage.storage_options, cfg=cfg, datasets=datasets, only_new=only_new)
 
 
-@flow(name="evaluate-run", flow_run_name="evaluate-{run_dir}")
+def run_label(run_dir: str) -> str:
+    """``<root>/<name>/<run id>`` -> ``<name>/<run id>`` (a folder of runs: ``<root>/<name>`` -> its last two
+    parts too): what the flow run is called, instead of the whole path."""
+    parts = [p for p in run_dir.rstrip("/").split("/") if p]
+    return "/".join(parts[-2:]) or run_dir
+
+
+def _flow_run_name() -> str:
+    """``evaluate <name>/<run id>``: a folder of runs is named after its newest run (as it was when
+    the flow run started), a folder with none yet after itself."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    path = str(params.get("run_dir", ""))
+    try:
+        path = resolve_run_dir(path, params.get("storage_options") or {})
+    except Exception:  # noqa: BLE001 (no run yet, or unreadable: the flow says why; the name is the path's)
+        pass
+    return f"evaluate {run_label(path)}"
+
+
+@flow(name="evaluate-run", flow_run_name=_flow_run_name)
 def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: Optional[dict] = None,
-                 datasets: Optional[list[EvalDatasetConfig]] = None) -> list[dict[str, Any]]:
+                 datasets: Optional[list[EvalDatasetConfig]] = None, only_new: bool = False) -> list[dict[str, Any]]:
     """Evaluate the run in ``run_dir`` (its newest version, or ``version``); ``run_dir`` may also be
     the folder of a run name (``<storage.root>/<name>``): its newest run. ``datasets``: named
     held-out datasets to evaluate on instead of the run's own (dicts are validated as
-    ``EvalDatasetConfig``). Returns the new rows."""
+    ``EvalDatasetConfig``). ``only_new`` (scheduled evaluations): no run yet, or a newest version
+    evaluated before, is one log line and no evaluation. Returns the new rows."""
     log = get_run_logger()
     options = storage_options or {}
-    run_dir = resolve_run_dir(run_dir, options)
-    rows = evaluate_snapshot(run_dir, run_dir.rstrip("/").rsplit("/", 1)[-1], version, options, datasets)
+    try:
+        run_dir = resolve_run_dir(run_dir, options)
+    except FileNotFoundError as e:
+        if not only_new:
+            raise
+        log.info("nothing to evaluate yet: %s", e)
+        return []
+    rows = evaluate_snapshot(run_dir, run_label(run_dir), version, options, datasets, only_new)
+    if not rows:
+        log.info("nothing new to evaluate in %s: its newest version was evaluated already", run_dir)
+        return []
     append_history(run_dir, rows, options)
     for row in rows:
         who = f"adapter {row['adapter']} " if row["adapter"] else ""

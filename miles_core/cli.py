@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("config-doc", "flags-doc"):
             continue
         p.add_argument("--config", help="TOML run config to start from (default: built-in defaults)")
+        p.add_argument("--verbose", action="store_true",
+                       help="show the libraries' progress bars, deprecation warnings and banners (hidden by default)")
         p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                        help="set any config field by dotted path, e.g. --set train.lr=3e-4 (value parsed as JSON when it can be)")
         for flag, path in FLAGS.items():

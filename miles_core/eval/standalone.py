@@ -8,6 +8,9 @@
   multi-LoRA run, the newest version of every adapter. Returns one row per evaluated policy (with
   named datasets, each dataset's metrics as ``<name>/<metric>``). The run's own ``eval.jsonl``
   (its in-run history) is left as it is.
+- ``evaluated_versions(run_dir)``: the (adapter, version) pairs already in the history; with
+  ``evaluate_run(..., only_new=True)`` (scheduled evaluations) a newest version found there is not
+  evaluated again.
 - ``append_history(run_dir, rows)``: adds rows to ``eval_history.parquet`` in the run folder (the
   record of standalone evaluations: when, which adapter and version, the metrics; its columns are
   the union of the rows' keys, so evaluations on other datasets add columns), written whole and
@@ -62,9 +65,7 @@ def open_run(run_dir: str, storage_options: dict[str, Any] | None = None) -> tup
 
     root, name, run_id = _split(run_dir)
     layout = RunLayout(root, name, run_id, storage_options)
-    raw = layout.read_json("config.json")
-    if raw is None:
-        raise FileNotFoundError(f"{run_dir}: no config.json (is it the folder of a training run?)")
+    raw = _config_json(run_dir, storage_options)
     for table in dataset_tables(raw):  # redacted when the run saved it: give them again if needed
         if table.get("storage_options") == REDACTED:
             table["storage_options"] = {}
@@ -81,9 +82,19 @@ def _step_of(files: RunFiles, version: int) -> int | None:
     return steps[-1] if steps else None
 
 
+def evaluated_versions(run_dir: str, storage_options: dict[str, Any] | None = None) -> set[tuple[str | None, int]]:
+    """(adapter, version) pairs ``eval_history.parquet`` already holds for the run in ``run_dir``."""
+    run_id = _split(run_dir)[2]
+    return {(r.get("adapter"), int(r["version"])) for r in read_history(run_dir, storage_options)
+            if r.get("run_id") in (None, run_id)}
+
+
 def _evaluate(evals: Evaluator, files: RunFiles, refs: RunRefs, version: int | None,
-              adapter: str | None) -> dict[str, Any]:
+              adapter: str | None, skip: set[tuple[str | None, int]] = frozenset()) -> dict[str, Any] | None:
+    """One evaluated policy's row; None when ``version`` is None and the newest is in ``skip``."""
     latest = files.weights.latest() or 0
+    if version is None and (adapter, latest) in skip:
+        return None
     version = latest if version is None else version
     if version > latest:
         raise ValueError(f"{refs.run_dir}: version {version} is not published (newest: {latest})")
@@ -91,6 +102,30 @@ def _evaluate(evals: Evaluator, files: RunFiles, refs: RunRefs, version: int | N
     metrics = evals.evaluate_version(step if step is not None else -1, version, record=False)
     return {"evaluated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_id": refs.run_id,
             "adapter": adapter, "version": version, "step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+
+
+def file_datasets(run_dir: str, pairs: list[str], storage_options: dict[str, Any] | None = None,
+                  **keys: str | None) -> list[dict[str, Any]]:
+    """``NAME PATH [NAME PATH ...]`` as held-out file datasets, read with the run's training data's
+    keys (``input_key``, ``label_key``, chat template, ...) unless ``keys`` names others."""
+    if not pairs or len(pairs) % 2:
+        raise ValueError(f"expected NAME PATH pairs, got {len(pairs)} values: {' '.join(pairs)}")
+    raw = _config_json(run_dir, storage_options)
+    train = raw.get("data") or {}
+    inherited = {k: train[k] for k in ("input_key", "label_key", "apply_chat_template", "prompt_template",
+                                       "metadata_keys") if k in train and train.get("type") == "file"}
+    inherited.update({k: v for k, v in keys.items() if v is not None})
+    return [{"name": name, "data": {**inherited, "type": "file", "path": path}}
+            for name, path in zip(pairs[::2], pairs[1::2])]
+
+
+def _config_json(run_dir: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    from miles_core.storage.layout import RunLayout
+
+    raw = RunLayout(*_split(run_dir), storage_options).read_json("config.json")
+    if raw is None:
+        raise FileNotFoundError(f"{run_dir}: no config.json (is it the folder of a training run?)")
+    return raw
 
 
 def with_eval_datasets(cfg: RunConfig, datasets: list[EvalDatasetConfig | dict[str, Any]]) -> RunConfig:
@@ -103,10 +138,12 @@ def with_eval_datasets(cfg: RunConfig, datasets: list[EvalDatasetConfig | dict[s
 
 
 def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict[str, Any] | None = None,
-                 cfg: RunConfig | None = None,
-                 datasets: list[EvalDatasetConfig | dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                 cfg: RunConfig | None = None, datasets: list[EvalDatasetConfig | dict[str, Any]] | None = None,
+                 only_new: bool = False) -> list[dict[str, Any]]:
     """Evaluate the run's newest (or ``version``) weights; a multi-LoRA run: every adapter's newest.
-    ``datasets``: evaluate on these (named) datasets instead of the run's own held-out ones."""
+    ``datasets``: evaluate on these (named) datasets instead of the run's own held-out ones.
+    ``only_new``: a newest version ``eval_history.parquet`` already has is not evaluated again (a
+    scheduled evaluation of a finished run evaluates nothing: no rows)."""
     from miles_core.multi_lora import MultiLoraRun
 
     if cfg is None:
@@ -115,8 +152,11 @@ def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict
         refs = open_run(run_dir, storage_options)[1]
     if datasets is not None:
         cfg = with_eval_datasets(cfg, datasets)
+    skip = evaluated_versions(run_dir, storage_options) if only_new else set()
     if cfg.multi_lora is None:  # only the evaluator of the run: no rollout engine, no trainer
         files, loop = RunFiles.open(cfg, refs), EngineLoop()
+        if version is None and (None, files.weights.latest() or 0) in skip:  # before an engine starts
+            return []
         evals = Evaluator(cfg, refs, loop, files.weights, RunHistory(files.layout), lambda: setup_tokenizer(refs))
         try:
             return [_evaluate(evals, files, refs, version, None)]
@@ -130,8 +170,9 @@ def evaluate_run(run_dir: str, version: int | None = None, storage_options: dict
         rows = []
         for name, session in run.adapters.items():
             t0 = time.perf_counter()
-            rows.append(_evaluate(session.evals, session.files, session.refs, None, name)
-                        | {"eval_seconds": time.perf_counter() - t0})
+            row = _evaluate(session.evals, session.files, session.refs, None, name, skip)
+            if row is not None:
+                rows.append(row | {"eval_seconds": time.perf_counter() - t0})
         return rows
     finally:
         run.close()

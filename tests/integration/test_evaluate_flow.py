@@ -36,6 +36,53 @@ def test_evaluate_a_run_newest_and_given_version(prefect_backend, tiny_model_dir
     assert state.is_failed()
     with pytest.raises(ValueError, match="version 9 is not published"):
         state.result()
+    name, run_id = Path(run_dir).parent.name, Path(run_dir).name
+    assert _flow_run(state).name == f"evaluate {name}/{run_id}"  # named after the run, not its whole path
+
+    # what a scheduled evaluation does (only_new): the newest version was evaluated: nothing, no error
+    assert evaluate_run(run_dir, only_new=True) == []
+    assert evaluate_run(str(Path(run_dir).parent), only_new=True) == []  # the name's newest run: the same one
+    assert len(read_history(run_dir)) == 2
+    assert evaluate_run(str(tmp_path / "no-runs-yet"), only_new=True) == []  # nothing to evaluate yet: one line
+    with pytest.raises(FileNotFoundError):
+        evaluate_run(str(tmp_path / "no-runs-yet"))  # asked for by hand: an error
+
+
+def test_miles_evaluate_prints_the_versions_accuracy(prefect_backend, tiny_model_dir, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flows.train import train
+
+    summary = train(_tiny_run(tmp_path, tiny_model_dir))
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n" for i in range(3)))
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PREFECT_API_URL": prefect_backend}  # the test's server (the harness sets it in-process only)
+    out = subprocess.run([sys.executable, "-m", "deployments.cli", "evaluate", summary["run_dir"], "--version", "4",
+                          "--eval-prompt-data", "qa", str(qa), "--eval-input-key", "q", "--eval-label-key", "a"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    header, row = out.stdout.strip().splitlines()[-2:]
+    assert header.split() == ["adapter", "version", "step", "accuracy", "qa/accuracy"]
+    assert row.split()[:3] == ["-", "4", "2"], out.stdout
+    bad = subprocess.run([sys.executable, "-m", "deployments.cli", "evaluate", str(tmp_path / "nope")], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error: cannot evaluate" in bad.stderr
+
+
+def _flow_run(state):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_run(state.state_details.flow_run_id)
+
+    return asyncio.run(read())
 
 
 def test_evaluate_every_adapter_of_a_multi_lora_run(prefect_backend, demo_model, tmp_path):

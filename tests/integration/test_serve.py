@@ -153,7 +153,7 @@ def test_deployments_are_registered_with_the_run_config_form(serving, tiny_model
     assert sync.parameters["cfg"]["model"]["path"] == str(tiny_model_dir)  # serve's config: the defaults
     assert _deployment("train/fully-async").parameters["cfg"]["mode"] == "fully_async"
     scheduled = _deployment("evaluate-run/scheduled")
-    assert scheduled.schedules and scheduled.parameters == {"run_dir": str(runs_root / "flow-test")}
+    assert scheduled.schedules and scheduled.parameters == {"run_dir": str(runs_root / "flow-test"), "only_new": True}
 
 
 def test_a_run_started_with_the_python_api_completes_with_its_artifacts(api_run):
@@ -200,7 +200,14 @@ def test_the_scheduled_evaluation_fires(serving, api_run, runs_root):
         print("scheduled runs:", [f"{r.state_type.value}:{r.state.message}" for r in _flow_runs(scheduled.id)])
         raise
     completed = _flow_runs(scheduled.id, "COMPLETED")
-    assert completed and "table" in _artifacts(completed[0].id)  # the history, as a table artifact
+    assert any("table" in _artifacts(r.id) for r in completed)  # the history, as a table artifact
+    # later ticks find nothing new: the finished run's last version is evaluated once, however many ticks
+    seen = len(completed)
+    wait_for(lambda: len(_flow_runs(scheduled.id, "COMPLETED")) >= seen + 2, 60, "two more scheduled ticks")
+    newest = sorted(p for p in (runs_root / "flow-test").iterdir() if (p / "config.json").exists())[-1]
+    assert [row["version"] for row in read_history(str(newest))].count(6) == 1
+    assert all(r.name.startswith("evaluate flow-test/") or r.name == "evaluate runs/flow-test"
+               for r in _flow_runs(scheduled.id, "COMPLETED")), "named after the run, not the folder's path"
     # one at a time: a run that came due while another ran was cancelled, never started beside it
     assert scheduled.global_concurrency_limit.limit == 1
     assert scheduled.concurrency_options.collision_strategy.value == "CANCEL_NEW"

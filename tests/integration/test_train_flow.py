@@ -92,7 +92,9 @@ def test_cli_train_runs_a_flow_and_prints_the_before_after_table(tiny_model_dir,
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(Path(__file__).parent)}
-    env.pop("PREFECT_API_URL", None)
+    for name in ("PREFECT_API_URL", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS",
+                 "DS_ACCELERATOR"):  # a user's shell: the command quiets the libraries itself
+        env.pop(name, None)
     out = subprocess.run(
         [sys.executable, "-m", "deployments.cli", "train", "--hf-checkpoint", str(tiny_model_dir),
          "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
@@ -108,6 +110,9 @@ def test_cli_train_runs_a_flow_and_prints_the_before_after_table(tiny_model_dir,
     # partial reward failures reach the log, with what failed
     assert "step 1: 4 of 8 samples' rewards failed (they train nothing): group 0 sample 0: reward: ValueError: " \
            "the judge refused sample 0" in logs, logs[-3000:]
+    # quiet by default: the run's lines, not the libraries' bars, notices and banners (--verbose shows them)
+    for noise in ("Loading weights", "Setting accelerator to CPU", "FutureWarning", "DeprecationWarning"):
+        assert noise not in logs, (noise, logs[-3000:])
 
 
 def first_sample_fails(sample) -> float:
