@@ -26,6 +26,7 @@ from miles_core.cli import build_parser, resolve_config
 from miles_core import stopping
 from miles_core.engines import server as engine_server
 from miles_core.storage.lease import RunBusy
+from miles_core.threads import tiny_model_threads
 
 
 def _quiet_defaults(verbose: bool = False) -> None:
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.public_dict(), indent=2))
         return 0
     _quiet_defaults(getattr(args, "verbose", False))
+    tiny_model_threads(cfg.model.path)  # before torch is imported, here and in every process the run starts
     if args.command == "build-model":
         from miles_core.models.tiny import ensure_model
 
