@@ -54,6 +54,7 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     from flows.rollout import rollout
     from flows.train import train
 
+    cfg = absolute_paths(cfg, Path.cwd())
     out = []
     for name, mode in MODES.items():
         default = cfg.model_copy(update={"mode": mode, "multi_lora": None})
@@ -91,6 +92,29 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     elif eval_cron is not None or eval_every_s is not None:
         raise ValueError("--eval-cron / --eval-every-s schedule evaluations of --eval-runs PATH: give it too")
     return out
+
+
+def absolute_paths(cfg: RunConfig, cwd: Path) -> RunConfig:
+    """``cfg`` with its relative local paths (model folder and cache, storage root, dataset files)
+    resolved against ``cwd``, the folder ``miles serve`` runs in: a run its deployments start finds
+    the same files whatever folder the process that runs it is in."""
+    from miles_core.config import dataset_tables
+
+    raw = cfg.model_dump()
+
+    def fix(table: dict[str, Any], key: str) -> None:
+        value = table.get(key)
+        if isinstance(value, str) and value and "://" not in value and not value.startswith("builtin:") \
+                and not Path(value).is_absolute():
+            table[key] = str(cwd / value)
+
+    fix(raw["model"], "path")
+    fix(raw["model"], "cache_dir")
+    fix(raw["storage"], "root")
+    for table in dataset_tables(raw):
+        if table.get("type") == "file":
+            fix(table, "path")
+    return RunConfig.model_validate(raw)
 
 
 def device_pools(specs: list[str]) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""What every training flow does first: ``begin_run(cfg)`` resolves the storage credentials, checks
+"""What every training flow does first: ``begin_run(cfg)`` puts a deployment run's config on top of
+its deployment's (``deployment_config``), resolves the storage credentials, checks
 the device pool, prepares the run folder (``prepare-run``) and labels the flow run with its run id
 (``miles.run_id``). A run started without a run id (from the UI's form, say) gets one here; the
 label lets ``deployments.api.get_run`` find its folder from the flow run alone."""
@@ -15,13 +16,35 @@ RUN_ID_LABEL = "miles.run_id"
 
 
 def begin_run(cfg: RunConfig) -> tuple[RunConfig, RunRefs]:
-    """The run's config (with its credentials) and references; fails before any work when the
-    device pool cannot hold the run."""
-    cfg = with_block_credentials(cfg)
+    """The run's config (a deployment run's on top of its deployment's, with its credentials) and
+    references; fails before any work when the device pool cannot hold the run."""
+    cfg = with_block_credentials(deployment_config(cfg))
     check_device_pool(cfg)
     refs = prepare_run(cfg)
     _label_run_id(refs.run_id)
     return cfg, refs
+
+
+def deployment_config(cfg: RunConfig) -> RunConfig:
+    """For a run of a deployment: the ``cfg`` the run was given (as stored with the flow run, before
+    pydantic filled in defaults) applied as overrides on the deployment's own ``cfg``
+    (``config.merge_overrides``: tables merge key by key, dotted keys reach into them), so
+    ``--param cfg='{"rollout": {"num_rollout": 6}}'`` changes one field of the served config instead
+    of replacing the rest with built-in defaults. Outside a deployment run: ``cfg`` as it is."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment, flow_run
+
+    from miles_core.config import merge_overrides
+
+    if deployment.id is None or flow_run.id is None:
+        return cfg
+    with get_client(sync_client=True) as client:
+        given = client.read_flow_run(flow_run.id).parameters.get("cfg")
+        served = client.read_deployment(deployment.id).parameters.get("cfg")
+    if not isinstance(given, dict) or not isinstance(served, dict):
+        return cfg
+    return RunConfig.model_validate_file_dict(merge_overrides(served, given),
+                                              source=f"deployment {deployment.name}'s cfg with this run's on top")
 
 
 def _label_run_id(run_id: str) -> None:

@@ -253,13 +253,13 @@ class _Parser(argparse.ArgumentParser):
     """Unknown flags that are Miles' (``--sglang-<any SGLang flag>`` and the like) get their hint."""
 
     def parse_args(self, args=None, namespace=None):  # noqa: ANN001 (argparse's signature)
-        from miles_core.miles_flags import unsupported
+        from miles_core.miles_flags import hint_for
 
         parsed, extra = self.parse_known_args(args, namespace)
         for arg in extra:
             flag = arg.split("=", 1)[0]
-            hint = unsupported(flag) if flag.startswith("--") else "no equivalent here"
-            if hint != "no equivalent here":
+            hint = hint_for(flag) if flag.startswith("--") else None
+            if hint is not None:
                 self.error(f"{flag} is a Miles flag not supported here; {hint}")
         if extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")

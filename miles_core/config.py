@@ -1018,6 +1018,36 @@ def dataset_tables(raw: dict[str, Any]) -> list[dict[str, Any]]:
     return [t for t in tables if isinstance(t, dict)]
 
 
+def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a raw config) with ``overrides`` on top: tables merge key by key, dotted keys
+    (``{"rollout.num_rollout": 6}``) reach into tables, and a table whose ``type`` changes (another
+    loss, engine or dataset kind) is replaced whole, since the old kind's settings may not fit."""
+    out = dict(base)
+    for key, value in expand_dotted(overrides).items():
+        current = out.get(key)
+        if isinstance(value, dict) and isinstance(current, dict) and value.get("type", current.get("type")) == current.get("type"):
+            out[key] = merge_overrides(current, value)
+        else:
+            out[key] = value
+    return out
+
+
+def expand_dotted(raw: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1, "a": {"c": 2}}`` -> ``{"a": {"b": 1, "c": 2}}`` (a dotted key wins over the same
+    field given nested)."""
+    out: dict[str, Any] = {}
+    for key, value in sorted(raw.items(), key=lambda kv: "." in kv[0]):  # nested first, then dotted on top
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = merge_overrides(node[leaf], value) if isinstance(node.get(leaf), dict) and isinstance(value, dict) \
+            else value
+    return out
+
+
 def _link(config: _Base) -> None:
     """Point every table under ``config`` (lists of tables included) at the table it is part of."""
     for name in type(config).model_fields:
@@ -1058,6 +1088,14 @@ class RunConfig(_Base):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dotted_keys(cls, data: Any) -> Any:
+        """``{"rollout.num_rollout": 6}`` is ``{"rollout": {"num_rollout": 6}}`` (deployment parameters, the API)."""
+        if isinstance(data, dict) and any(isinstance(k, str) and "." in k for k in data):
+            return expand_dotted(data)
+        return data
 
     @model_validator(mode="after")
     def _check_batches(self) -> RunConfig:

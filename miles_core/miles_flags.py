@@ -127,12 +127,15 @@ def unsupported(flag: str) -> str | None:
     """None if ``miles`` takes ``flag``; else what to use instead."""
     if flag in supported():
         return None
-    if HINTS.get(flag):
+    return hint_for(flag) or "no equivalent here"
+
+
+def hint_for(flag: str) -> str | None:
+    """What to use instead of ``flag``, if it is one of the Miles flags ``HINTS`` or ``_GROUPS`` know
+    (a group covers flags by prefix, such as every ``--sglang-<SGLang flag>``); None otherwise."""
+    if flag in HINTS:
         return HINTS[flag]
-    for prefixes, hint in _GROUPS:
-        if flag.startswith(prefixes):
-            return hint
-    return "no equivalent here"
+    return next((hint for prefixes, hint in _GROUPS if flag.startswith(prefixes)), None)
 
 
 def flags_markdown() -> str:

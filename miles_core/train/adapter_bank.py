@@ -304,16 +304,16 @@ class AdapterBank:
         names = [name for name, _ in group]
         owner = torch.cat([torch.full((mb.num_rows,), k, dtype=torch.long) for k, (_, mb) in enumerate(group)])
         prompts = 1 + max(int(mb.prompt_index.max()) for _, mb in group)
-        fields = [[] for _ in Rows._fields]
+        parts: dict[str, list[Tensor]] = {f: [] for f in Rows._fields}
         for k, (name, mb) in enumerate(group):
             pad = width - mb.input_ids.shape[1]
-            fields[0].append(nn.functional.pad(mb.input_ids, (0, pad), value=self.trainers[name].pad_id))
-            fields[1].append(nn.functional.pad(mb.attention_mask, (0, pad), value=0))
-            fields[2].append(nn.functional.pad(mb.position_ids, (0, pad), value=0))
-            fields[3].append(mb.lengths)
-            fields[4].append(mb.prompt_lens)
-            fields[5].append(mb.prompt_index + k * prompts)  # adapter k's prompts after adapter k - 1's
-        rows = Rows(*(torch.cat(f) for f in fields))
+            parts["input_ids"].append(nn.functional.pad(mb.input_ids, (0, pad), value=self.trainers[name].pad_id))
+            parts["attention_mask"].append(nn.functional.pad(mb.attention_mask, (0, pad), value=0))
+            parts["position_ids"].append(nn.functional.pad(mb.position_ids, (0, pad), value=0))
+            parts["lengths"].append(mb.lengths)
+            parts["prompt_lens"].append(mb.prompt_lens)
+            parts["prompt_index"].append(mb.prompt_index + k * prompts)  # adapter k's prompts after adapter k - 1's
+        rows = Rows(**{f: torch.cat(v) for f, v in parts.items()})
         owner = owner.to(rows.input_ids.device)
 
         def route(pass_rows: Tensor) -> AbstractContextManager:

@@ -181,6 +181,27 @@ def test_a_run_started_with_prefect_deployment_run_completes_with_its_artifacts(
     _assert_run_artifacts(run.id, run.run_dir)
 
 
+def test_a_deployment_runs_cfg_is_applied_on_top_of_the_served_one(serving, postgres_backend, tiny_model_dir,
+                                                                   runs_root):
+    """``--param cfg='{"rollout.num_rollout": 1, ...}'`` changes those fields of the served config
+    (``ui-form``: 4 prompts x 4, 8 samples an optimizer step) instead of replacing it with built-in
+    defaults (which once started building the default tiny model in the serving folder)."""
+    from deployments.api import get_run
+
+    run_id = "merge-" + uuid.uuid4().hex[:8]
+    cli = subprocess.run([str(Path(sys.executable).parent / "prefect"), "deployment", "run", "train/sync",
+                          "--param", "cfg=" + json.dumps({"rollout.num_rollout": 1, "run_id": run_id})],
+                         env={**os.environ, "PREFECT_API_URL": postgres_backend}, capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    run = get_run(re.search(r"UUID: ([0-9a-f-]{36})", cli.stdout).group(1))
+    summary = run.wait(timeout=240)
+    assert summary["steps"] == 1 and summary["final_version"] == 2  # one step of 16 samples, 8 a step: the served config
+    assert Path(summary["run_dir"]) == runs_root / "ui-form" / run_id
+    saved = json.loads((Path(summary["run_dir"]) / "config.json").read_text())
+    assert saved["model"]["path"] == str(tiny_model_dir) and saved["rollout"]["rollout_batch_size"] == 4
+
+
 def test_the_scheduled_evaluation_fires(serving, api_run, runs_root):
     from miles_core.eval.standalone import read_history
 

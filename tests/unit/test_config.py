@@ -426,3 +426,42 @@ def test_cross_field_rules_hold_on_assignment_and_a_refused_one_changes_nothing(
         with pytest.raises(ValueError, match="must divide"):
             other.rollout.n_samples_per_prompt = 3
     assert RunConfig().rollout == RunConfig().rollout.model_copy() == type(RunConfig().rollout)()
+
+
+def test_prefect_yaml_parameters_are_valid_run_configs():
+    """Every deployment's ``cfg`` in prefect.yaml validates as a RunConfig (the form a worker gets)."""
+    import yaml
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    with_cfg = [d for d in deployments if "cfg" in (d.get("parameters") or {})]
+    assert len(with_cfg) >= 4
+    for d in with_cfg:
+        cfg = RunConfig.model_validate(d["parameters"]["cfg"])
+        assert d["tags"][0] == "train" and (cfg.mode in d["tags"] or cfg.multi_lora is not None), d["name"]
+
+
+def test_overrides_merge_into_a_config_table_by_table():
+    """A deployment run's cfg on top of the served one (``flows.begin.deployment_config``): tables
+    merge key by key, dotted keys reach into them, a table of another ``type`` replaces the old."""
+    from miles_core.config import merge_overrides
+
+    served = RunConfig.model_validate({"name": "served", "rollout": {"rollout_batch_size": 4},
+                                       "train": {"lr": 3e-4, "loss": {"type": "grpo", "eps_clip": 0.1}}})
+    merged = RunConfig.model_validate(merge_overrides(served.model_dump(mode="json"), {
+        "rollout.num_rollout": 6, "train": {"loss": {"type": "dr_grpo"}}, "eval": {"num_prompts": 8}}))
+    assert (merged.name, merged.rollout.rollout_batch_size, merged.rollout.num_rollout) == ("served", 4, 6)
+    assert merged.train.lr == 3e-4 and isinstance(merged.train.loss, DrGRPOLossConfig)
+    assert merged.train.loss.eps_clip == 0.2  # dr_grpo's own default, not grpo's 0.1 carried over
+    assert merged.eval.num_prompts == 8 and merged.eval.eval_interval == served.eval.eval_interval
+    assert RunConfig.model_validate({"rollout.num_rollout": 6, "train.lr": 0.01}).train.lr == 0.01
+
+
+def test_serving_makes_relative_paths_absolute(tmp_path):
+    from deployments.serve import absolute_paths
+
+    cfg = RunConfig.model_validate({"data": {"type": "file", "path": "datasets/gsm8k/train.jsonl"},
+                                    "eval": {"data": {"type": "file", "path": "s3://bucket/test.jsonl"}}})
+    served = absolute_paths(cfg, tmp_path)
+    assert served.data.path == str(tmp_path / "datasets/gsm8k/train.jsonl")
+    assert served.model.cache_dir == str(tmp_path / ".cache/miles/models") and served.storage.root == str(tmp_path / "runs")
+    assert served.eval.data.path == "s3://bucket/test.jsonl" and served.model.path == "builtin:tiny-addition"
