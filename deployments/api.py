@@ -101,15 +101,14 @@ def get_run(flow_run_id: UUID | str) -> RunHandle:
     local = _LOCAL_RUNS.get(flow_run_id)
     if local is not None:  # started by this process: the handle that owns the thread
         return local
+    from flows.begin import run_config
+
     with get_client(sync_client=True) as client:
         try:
             flow_run = client.read_flow_run(flow_run_id)
         except ObjectNotFound:
             raise LookupError(f"no flow run {flow_run_id} on the Prefect API at {_api_url()}") from None
-    raw = flow_run.parameters.get("cfg")
-    if not isinstance(raw, dict):
-        raise ValueError(f"flow run {flow_run_id} ({flow_run.name!r}) has no 'cfg' parameter: not a miles run")
-    cfg = RunConfig.model_validate_file_dict(raw, source=f"flow run {flow_run_id}'s cfg parameter")
+        cfg = run_config(flow_run, client)  # a deployment's run: its cfg on top of the deployment's
     return RunHandle(flow_run.id, cfg, in_process=flow_run.deployment_id is None)
 
 

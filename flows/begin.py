@@ -6,6 +6,8 @@ label lets ``deployments.api.get_run`` find its folder from the flow run alone."
 
 from __future__ import annotations
 
+from typing import Any
+
 from flows.credentials import with_block_credentials
 from miles_core.config import RunConfig
 from miles_core.run import RunRefs
@@ -26,25 +28,35 @@ def begin_run(cfg: RunConfig) -> tuple[RunConfig, RunRefs]:
 
 
 def deployment_config(cfg: RunConfig) -> RunConfig:
-    """For a run of a deployment: the ``cfg`` the run was given (as stored with the flow run, before
-    pydantic filled in defaults) applied as overrides on the deployment's own ``cfg``
-    (``config.merge_overrides``: tables merge key by key, dotted keys reach into them), so
-    ``--param cfg='{"rollout": {"num_rollout": 6}}'`` changes one field of the served config instead
-    of replacing the rest with built-in defaults. Outside a deployment run: ``cfg`` as it is."""
+    """``cfg`` as this flow run trains with it (``run_config``): for a run of a deployment, the cfg it
+    was given on top of the deployment's; outside a flow run, ``cfg`` as it is."""
     from prefect.client.orchestration import get_client
-    from prefect.runtime import deployment, flow_run
+    from prefect.runtime import flow_run
 
-    from miles_core.config import merge_overrides
-
-    if deployment.id is None or flow_run.id is None:
+    if flow_run.id is None:
         return cfg
     with get_client(sync_client=True) as client:
-        given = client.read_flow_run(flow_run.id).parameters.get("cfg")
-        served = client.read_deployment(deployment.id).parameters.get("cfg")
-    if not isinstance(given, dict) or not isinstance(served, dict):
-        return cfg
-    return RunConfig.model_validate_file_dict(merge_overrides(served, given),
-                                              source=f"deployment {deployment.name}'s cfg with this run's on top")
+        run = client.read_flow_run(flow_run.id)
+        return cfg if run.deployment_id is None else run_config(run, client)
+
+
+def run_config(run: Any, client: Any) -> RunConfig:
+    """The config flow run ``run`` trains with: its ``cfg`` parameter (as stored with the flow run,
+    before pydantic filled in defaults), for a run of a deployment applied as overrides on the
+    deployment's own ``cfg`` (``config.merge_overrides``: tables merge key by key, dotted keys reach
+    into them), so ``--param cfg='{"rollout.num_rollout": 6}'`` changes one field of the served
+    config instead of replacing the rest with built-in defaults. ``client``: a sync Prefect client."""
+    from miles_core.config import merge_overrides
+
+    given = run.parameters.get("cfg")
+    if not isinstance(given, dict):
+        raise ValueError(f"flow run {run.id} ({run.name!r}) has no 'cfg' parameter: not a miles run")
+    source = f"flow run {run.id}'s cfg parameter"
+    if run.deployment_id is not None:
+        served = client.read_deployment(run.deployment_id).parameters.get("cfg")
+        if isinstance(served, dict):
+            given, source = merge_overrides(served, given), f"{source} on top of its deployment's"
+    return RunConfig.model_validate_file_dict(given, source=source)
 
 
 def _label_run_id(run_id: str) -> None:

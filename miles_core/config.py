@@ -1061,6 +1061,10 @@ def _link(config: _Base) -> None:
 class RunConfig(_Base):
     """A whole training run."""
 
+    # dotted keys ("rollout.num_rollout") pass the JSON schema a Prefect server checks parameters with
+    model_config = ConfigDict(**_Base.model_config,
+                              json_schema_extra={"patternProperties": {r"^[A-Za-z_]\w*(\.\w+)+$": {}}})
+
     name: str = "toy-addition"
     """Run name; the run folder is ``<storage.root>/<name>/<run_id>``."""
     run_id: str | None = None
