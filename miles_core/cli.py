@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from miles_core.config import RunConfig
+from miles_core.config import EVAL_INHERITS, RunConfig
 
 # flag -> dotted path in RunConfig. Names follow Miles where Miles has the flag.
 FLAGS: dict[str, str] = {
@@ -132,7 +132,6 @@ SWITCHES: dict[str, tuple[str, Any]] = {
     "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
 }
 KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
-_EVAL_INHERITS = ("input_key", "label_key", "apply_chat_template", "prompt_template", "metadata_keys")
 
 
 def _field(path: str):
@@ -327,7 +326,7 @@ def _set_eval_prompt_data(data: dict[str, Any], values: list[str]) -> None:
     data, unless the config file's ``eval.data`` says how); ``NAME PATH [NAME PATH ...]``: these
     named file datasets, read like the training data, replace the file's ``eval.data`` and ``eval.datasets``."""
     train_data = data.get("data") or {}
-    inherited = {k: v for k, v in train_data.items() if k in _EVAL_INHERITS}
+    inherited = {k: v for k, v in train_data.items() if k in EVAL_INHERITS}
     ev = data.setdefault("eval", {})
     if len(values) == 1:
         if (ev.get("data") or {}).get("type") != "file":

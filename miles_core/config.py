@@ -697,6 +697,9 @@ class TrainConfig(_Base):
 # ----------------------------------------------------------------------------------------- eval
 
 
+EVAL_INHERITS = ("input_key", "label_key", "apply_chat_template", "prompt_template", "metadata_keys")
+"""What a held-out file named on the command line takes from the training data's table (how to read it)."""
+
 IMPLICIT_EVAL_DATASET = "heldout"
 """The name of the one held-out dataset of an ``[eval]`` without ``datasets``."""
 

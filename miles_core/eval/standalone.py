@@ -25,7 +25,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from miles_core.config import REDACTED, EvalDatasetConfig, RunConfig, dataset_tables
+from miles_core.config import EVAL_INHERITS, REDACTED, EvalDatasetConfig, RunConfig, dataset_tables
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
 from miles_core.session.parts import EngineLoop, RunFiles, setup_tokenizer
@@ -112,8 +112,7 @@ def file_datasets(run_dir: str, pairs: list[str], storage_options: dict[str, Any
         raise ValueError(f"expected NAME PATH pairs, got {len(pairs)} values: {' '.join(pairs)}")
     raw = _config_json(run_dir, storage_options)
     train = raw.get("data") or {}
-    inherited = {k: train[k] for k in ("input_key", "label_key", "apply_chat_template", "prompt_template",
-                                       "metadata_keys") if k in train and train.get("type") == "file"}
+    inherited = {k: train[k] for k in EVAL_INHERITS if k in train and train.get("type") == "file"}
     inherited.update({k: v for k, v in keys.items() if v is not None})
     return [{"name": name, "data": {**inherited, "type": "file", "path": path}}
             for name, path in zip(pairs[::2], pairs[1::2])]
