@@ -117,10 +117,11 @@ def miles_flags() -> tuple[str, ...]:
     return tuple(dict.fromkeys([ln.strip() for ln in lines if ln.startswith("--")] + list(DOC_FLAGS)))
 
 
-def supported() -> set[str]:
+@cache
+def supported() -> frozenset[str]:
     from miles_core.cli import FLAGS, SWITCHES
 
-    return set(FLAGS) | set(SWITCHES) | set(SPECIAL)
+    return frozenset(FLAGS) | frozenset(SWITCHES) | frozenset(SPECIAL)
 
 
 def unsupported(flag: str) -> str | None:

@@ -4,8 +4,9 @@ Parts:
 - ``HFEngine``: the ``RolloutEngine`` over a Hugging Face causal LM loaded in this process. It runs
   its own KV-cached decode loop over left-padded batches (``position_ids = mask.cumsum(-1) - 1``),
   prefilling each distinct prompt of a batch once (the n samples of a prompt then decode from
-  copies of its keys and values, as a server's prefix cache would give them), so each output token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw
-  logits when T is 0), the quantity the trainer recomputes.
+  copies of its keys and values, as a server's prefix cache would give them), so each output
+  token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw logits when T is
+  0), the quantity the trainer recomputes.
 - ``EngineStats``: counters of dispatches, decode batches and calls served (``HFEngine.stats``).
 - ``sample_tokens``: one decode step's temperature / top-k / top-p sampling, by inverse CDF.
 - ``read_safetensors``: a weight snapshot (file, folder, or sharded folder) from any fsspec URL.
@@ -43,7 +44,6 @@ seeded once.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import posixpath
@@ -61,6 +61,7 @@ from transformers import DynamicCache
 
 from miles_core.dtypes import torch_dtype
 from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from miles_core.models.hf_cache import cache_kwarg
 
 if TYPE_CHECKING:
     from miles_core.config import HFEngineConfig
@@ -160,9 +161,7 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
         self._vocab = self.model.get_output_embeddings().weight.shape[0]
-        # transformers 5.2x renamed forward's ``past_key_values`` to ``cache``; the cache is ours either way
-        forward_args = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.model)  # the cache is ours, under whichever name transformers takes it
         self._generator = torch.Generator().manual_seed(seed)
         self._version = 0
         self._adapter_versions: dict[str, int] = {}

@@ -705,7 +705,7 @@ def test_a_step_with_shared_prompts_equals_the_plain_step(tiny_model_dir, tmp_pa
 def test_the_cache_argument_follows_the_installed_transformers(tiny_model_dir, tmp_path):
     import inspect
 
-    from miles_core.train.shared_prompt import cache_kwarg
+    from miles_core.models.hf_cache import cache_kwarg
 
     model = make_trainer(tiny_model_dir, tmp_path).model
     assert cache_kwarg(model) in inspect.signature(type(model).forward).parameters
