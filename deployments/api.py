@@ -258,7 +258,8 @@ def _start_deployment(cfg: RunConfig, deployment: str) -> RunHandle:
             ) from None
     # _sync: the blocking call even where an event loop is running (a notebook), where Prefect
     # would otherwise hand back a coroutine
-    flow_run = run_deployment(deployment, parameters={"cfg": cfg.model_dump(mode="json")}, timeout=0, _sync=True)
+    flow_run = run_deployment(deployment, parameters={"cfg": cfg.model_dump(mode="json")}, flow_run_name=cfg.name,
+                              timeout=0, _sync=True)
     return RunHandle(flow_run.id, cfg, in_process=False)
 
 

@@ -58,10 +58,12 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     out = []
     for name, mode in MODES.items():
         default = cfg.model_copy(update={"mode": mode, "multi_lora": None})
-        out.append(train.to_deployment(
+        deployment = train.to_deployment(
             name=name, parameters={"cfg": default.model_dump(mode="json")}, tags=["train", mode],
             description=f"A training run in {mode} mode (the config form's defaults: `miles serve`'s config).",
-        ))
+        )
+        _fix_mode(deployment, mode)
+        out.append(deployment)
     multi = cfg if cfg.multi_lora is not None else RunConfig.from_toml(MULTI_LORA_RECIPE)
     out.append(train_multi_lora.to_deployment(
         name="multi-lora", parameters={"cfg": multi.model_dump(mode="json")}, tags=["train", "multi-lora"],
@@ -92,6 +94,18 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     elif eval_cron is not None or eval_every_s is not None:
         raise ValueError("--eval-cron / --eval-every-s schedule evaluations of --eval-runs PATH: give it too")
     return out
+
+
+def _fix_mode(deployment: Any, mode: str) -> None:
+    """The deployment's form offers its own mode only (its runs are tagged with it; a run of another
+    mode is refused when it starts: ``flows.begin.deployment_config``)."""
+    import copy
+
+    schema = deployment._parameter_openapi_schema
+    schema.definitions = copy.deepcopy(schema.definitions)
+    field = schema.definitions["RunConfig"]["properties"]["mode"]
+    field.update({"enum": [mode], "default": mode, "readOnly": True})
+    field["description"] = f"{field.get('description', '')} This deployment trains in {mode} mode only.".strip()
 
 
 def absolute_paths(cfg: RunConfig, cwd: Path) -> RunConfig:

@@ -27,9 +27,23 @@ def begin_run(cfg: RunConfig) -> tuple[RunConfig, RunRefs]:
     return cfg, refs
 
 
+def flow_run_name() -> str:
+    """A training flow run's name: a run of a deployment keeps the name it was started with (the
+    UI form's Run Name, ``prefect deployment run --name``, ``start_run``'s config name); a run
+    started in this process (``miles train``, ``train(cfg)``) is named after its config."""
+    from prefect.runtime import deployment, flow_run
+
+    if deployment.id is not None and flow_run.name:
+        return flow_run.name
+    cfg = flow_run.parameters.get("cfg")
+    return getattr(cfg, "name", None) or (cfg or {}).get("name") or "miles-run"
+
+
 def deployment_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` as this flow run trains with it (``run_config``): for a run of a deployment, the cfg it
-    was given on top of the deployment's; outside a flow run, ``cfg`` as it is."""
+    was given on top of the deployment's; outside a flow run, ``cfg`` as it is. A deployment whose
+    config names a mode runs that mode only (its runs carry the mode's tag): a run asking for
+    another fails here, before any work, naming the deployment to use."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
@@ -37,7 +51,16 @@ def deployment_config(cfg: RunConfig) -> RunConfig:
         return cfg
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run.id)
-        return cfg if run.deployment_id is None else run_config(run, client)
+        if run.deployment_id is None:
+            return cfg
+        cfg = run_config(run, client)
+        deployment = client.read_deployment(run.deployment_id)
+    mode = (deployment.parameters.get("cfg") or {}).get("mode")
+    if mode is not None and mode != cfg.mode and cfg.multi_lora is None:
+        raise ValueError(f"deployment {deployment.name!r} trains in mode {mode!r} (its runs are tagged so); this run asks for "
+                         f"mode {cfg.mode!r}: start it on the {cfg.mode.replace('_', '-')!r} deployment instead, or "
+                         f"leave mode as it is")
+    return cfg
 
 
 def run_config(run: Any, client: Any) -> RunConfig:

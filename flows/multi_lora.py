@@ -31,7 +31,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
-from flows.begin import begin_run
+from flows.begin import begin_run, flow_run_name
+from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
 from miles_core.ledger import audit_at_end, audit_line
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
@@ -64,6 +65,8 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
         raise session.resume_error
     total = cfg.rollout.num_rollout
     c = quote(cfg)  # as in flows/train.py: the tasks' config, not introspected by Prefect on every call
+    live = LiveReport(f"{cfg.name}/{name}", artifact_key(cfg.name, refs.run_id, name), total, start, session.history,
+                      cfg.tracking.live_every_s)
     for step in range(start, total):
         if stop_requested():  # Ctrl-C or SIGTERM of `miles train-multi-lora`
             raise _stopped(cfg, refs, name, step)
@@ -83,6 +86,8 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
         if "eval_accuracy" in row:
             line += f" | eval accuracy {row['eval_accuracy']:.3f}"
         log.info(line)
+        live.step_done(step + 1)
+    live.finish()
     return {"name": name, "steps": total, "version": session.training.trainer.version}
 
 
@@ -97,7 +102,7 @@ def _stopped(cfg: RunConfig, refs: RunRefs, name: str, done: int) -> RunStopped:
     return RunStopped(f"{text}; checkpoint at step {done}: {session.layout.checkpoint(done)}", refs.run_id, done)
 
 
-@flow(name="train-multi-lora", flow_run_name="{cfg.name}", validate_parameters=True)
+@flow(name="train-multi-lora", flow_run_name=flow_run_name, validate_parameters=True)
 def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
     """Train every adapter of ``cfg.multi_lora`` over one rollout stream; returns the run summary
     (per adapter: status, accuracy before and after, the curve, where its files are)."""

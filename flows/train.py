@@ -37,19 +37,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import (
-    create_image_artifact,
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 
-from flows.begin import begin_run
+from flows.begin import begin_run, flow_run_name
+from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
 from miles_core.ledger import audit_at_end, audit_line
-from miles_core.report import data_url, run_curves
 from miles_core.run import RolloutRef, RunRefs, TrainRef, check_lease, checkpoint_due, close_session, get_session
 from miles_core.stopping import RunStopped, stop_requested
 from tasks.fleet import launch_producers, stop_producers
@@ -66,11 +60,6 @@ from tasks.train import (
     train_step,
 )
 
-
-PROGRESS_EVERY_S = 2.0
-"""The progress artifact is updated after a step at most this often (and after the last step): each
-update is an API write (about 12 ms of the server's CPU, measured on a flow that did nothing else),
-and a toy step takes 0.4 s."""
 
 REWARD_ERRORS = "_reward_errors"
 """The step's first reward failures, handed from a mode's steps to the flow's log (not recorded)."""
@@ -102,7 +91,7 @@ def _due(cfg: RunConfig, step: int) -> bool:
     return last or (interval is not None and (step + 1) % interval == 0)
 
 
-@flow(name="train", flow_run_name="{cfg.name}", validate_parameters=True)
+@flow(name="train", flow_run_name=flow_run_name, validate_parameters=True)
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Train a policy with GRPO; returns the run summary (before/after accuracy, where things are).
     An existing run (``cfg.run_id``) with a checkpoint resumes from it."""
@@ -119,9 +108,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         if start:
             log.info("resuming run %s from checkpoint at step %d (steps %d to %d to go)", refs.run_id, start,
                      start + 1, total)
-        progress = create_progress_artifact(100.0 * start / total, key=None,
-                                            description=f"{cfg.name}: steps done out of {total}")
-        progress_at = time.monotonic()
+        live = LiveReport(cfg.name, artifact_key(cfg.name, refs.run_id), total, start, session.history,
+                          cfg.tracking.live_every_s)
         steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
             if cfg.mode == "fully_async":  # the producers start (processes: seconds) while the start is evaluated
@@ -130,12 +118,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             for step, row, r in steps(cfg, refs, session, start):
                 reward_errors = row.pop(REWARD_ERRORS, [])
                 if _due(cfg, step) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
-                    row["eval_accuracy"] = evaluate(cfg, refs, step + 1)["accuracy"]
+                    row["eval_accuracy"] = evaluate(cfg, quote(refs), step + 1)["accuracy"]
                 elif _due(cfg, step):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
                 session.history.record(step + 1, row)
                 if checkpoint_due(cfg, step + 1):
-                    save_checkpoint(cfg, refs, step + 1, r)
+                    save_checkpoint(cfg, quote(refs), step + 1, quote(r))
                 log.info(_step_line(step, total, row))
                 if row.get("reward_failed"):
                     log.warning("step %d: %d of %d samples' rewards failed (they train nothing): %s", step + 1,
@@ -143,9 +131,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                 "; ".join(reward_errors))
                 if "eval_accuracy" in row:
                     log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
-                if step + 1 == total or time.monotonic() - progress_at >= PROGRESS_EVERY_S:
-                    update_progress_artifact(progress, 100.0 * (step + 1) / total)
-                    progress_at = time.monotonic()
+                live.step_done(step + 1)
                 check_lease(refs)  # another trainer took this run over (after this one stalled): stop
                 if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
                     raise _stopped(cfg, refs, session, step + 1, r)
@@ -153,7 +139,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
         summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)
         session.finish(summary)
-        _publish_artifacts(cfg, summary, session)
+        _publish_artifacts(cfg, summary, session, live)
         return summary
     finally:
         close_session(refs)
@@ -178,14 +164,25 @@ def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | 
 # evaluates, records and checkpoints in between. Their ``finally`` leaves nothing running.
 
 
+# Task inputs draw the flow run's graph. A step's tasks get their arguments quoted (else every task
+# would hang off ``prepare-run``, which made the refs, and Prefect would match the floats inside a
+# ref to any earlier task's result by ``id``) and the task before as ``wait_for``: its future (a
+# state would be searched through, result and all), so the graph reads rollout k -> train k ->
+# push-weights v -> rollout k+1. Submitted and waited for at once, they run one after the other.
+
+
 def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
     """rollout k -> train k -> push weights k."""
-    c = quote(cfg)  # the tasks' config, not introspected by Prefect on every call (it holds no futures)
+    c, q = quote(cfg), quote(refs)  # the tasks' config, not introspected by Prefect on every call (it holds no futures)
+    pushed = None
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
-        r = rollout(c, refs, step)
-        t = train_step(c, refs, r)
-        push_s = push_weights(c, refs, t)
+        rolled = rollout.submit(c, q if pushed else refs, step, wait_for=pushed)
+        r = rolled.result()
+        trained = train_step.submit(c, q, quote(r), wait_for=[rolled])
+        t = trained.result()
+        pushed = [push_weights.submit(c, q, quote(t), wait_for=[trained])]
+        push_s = pushed[0].result()
         row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s, REWARD_ERRORS: r.reward_errors}
         row["step_seconds"] = time.perf_counter() - t0
         row["trainer_wait_seconds"] = r.metrics["rollout_seconds"]
@@ -199,8 +196,9 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
     total, interval = cfg.rollout.num_rollout, cfg.async_rollout.update_weights_interval
     if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
         _load_version(cfg, refs, session, _async_rollout_version(session, interval, start))
-    c = quote(cfg)  # as in _sync_steps
+    c, q = quote(cfg), quote(refs)  # as in _sync_steps
     ahead = rollout.submit(c, refs, start)
+    pushed = None  # the newest push: the rollouts submitted after it generate with its weights
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -208,15 +206,17 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
             waited = time.perf_counter() - t0
             if step == start > 0 and step + 1 < total:
                 _load_version(cfg, refs, session, _async_rollout_version(session, interval, step + 1))
-            ahead = rollout.submit(c, refs, step + 1) if step + 1 < total else None
-            t = train_step(c, refs, r)
+            rolled, ahead = ahead, rollout.submit(c, q, step + 1, wait_for=pushed) if step + 1 < total else None
+            trained = train_step.submit(c, q, quote(r), wait_for=[rolled])
+            t = trained.result()
             push_s = 0.0
             if (step + 1) % interval == 0 or step + 1 == total:
                 t_wait = time.perf_counter()
                 if ahead is not None:  # no training rollout in flight while the weights change
                     ahead.wait()
                 waited += time.perf_counter() - t_wait
-                push_s = push_weights(c, refs, t)
+                pushed = [push_weights.submit(c, q, quote(t), wait_for=[trained])]
+                push_s = pushed[0].result()
             row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s,
                    REWARD_ERRORS: r.reward_errors}
             row["step_seconds"] = time.perf_counter() - t0
@@ -233,11 +233,13 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     only through the run folder; each ``train-k`` takes the next ``rollout_batch_size`` trainable
     groups from the producers' streams. Producers load new versions themselves; ``stop-producers``
     ends them."""
-    c = quote(cfg)  # as in _sync_steps
+    c, q = quote(cfg), quote(refs)  # as in _sync_steps
+    trained = None
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         try:
-            t = train_from_stream(c, refs, step)
+            trained = train_from_stream.submit(c, q if trained else refs, step, wait_for=[trained] if trained else None)
+            t = trained.result()
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
             raise _stopped(cfg, refs, session, step, None) from None
         row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
@@ -298,8 +300,9 @@ class InRunEvals:
                 return
             wait(running, return_when=FIRST_COMPLETED)
         # a copy of this flow's context per thread: the subflow is a child of the run
-        self.futures.append(self.pool.submit(contextvars.copy_context().run, evaluate_snapshot, self.cfg, self.refs,
-                                             step, version, return_state=True))
+        # (the refs quoted: the subflow's node would otherwise hang off prepare-run, as a task's would)
+        self.futures.append(self.pool.submit(contextvars.copy_context().run, evaluate_snapshot, self.cfg,
+                                             quote(self.refs), step, version, return_state=True))
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True)
@@ -357,16 +360,11 @@ def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any
     }
 
 
-def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None:
-    png = run_curves(session.history.metrics_rows, session.history.eval_rows, f"{cfg.name} ({summary['run_id']})")
-    curves = session.layout.write_bytes("curves.png", png)
-    create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: reward and held-out accuracy per step "
-                                                               f"(also {curves})")
-    keys = ["step", "reward_mean", "accuracy", "loss", "kl", "grad_norm", "response_len_mean", "truncated_ratio",
-            "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s"]
-    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k in keys}
-             for row in session.history.metrics_rows]
-    create_table_artifact(table, key=None, description=f"{cfg.name} per-step metrics")
+def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session, live: LiveReport) -> None:
+    """The run's last progress line, metrics table and curves (``curves.png`` in the run folder too),
+    and its markdown summary."""
+    curves = session.layout.url("curves.png")
+    session.layout.write_bytes("curves.png", live.finish(note=f" (also {curves})"))
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     md = "\n".join([
@@ -382,7 +380,8 @@ def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session) -> None
         f"- wall time: {summary['seconds']} s",
         f"- prompt ledger (`miles audit`): {audit_line(summary['audit'])}",
     ])
-    create_markdown_artifact(md, key=None, description=f"{cfg.name} summary")
+    create_markdown_artifact(md, key=artifact_key(cfg.name, summary["run_id"], "summary"),
+                             description=f"{cfg.name} summary")
 
 
 def _link(url: str) -> str:

@@ -124,6 +124,21 @@ FLAGS: dict[str, str] = {
     "--save": "storage.root",  # Miles' checkpoint folder: here the run folder, checkpoints and all, goes under it
     "--storage-credentials-block": "storage.credentials_block",
     "--segment-compression": "storage.segment_compression",
+    "--use-wandb": "tracking.wandb",
+    "--wandb-project": "tracking.wandb_project",
+    "--wandb-team": "tracking.wandb_entity",
+    "--wandb-group": "tracking.wandb_group",
+    "--wandb-mode": "tracking.wandb_mode",
+    "--wandb-dir": "tracking.wandb_dir",
+    "--wandb-run-name": "tracking.wandb_run_name",
+    "--use-tensorboard": "tracking.tensorboard",
+    "--tensorboard-dir": "tracking.tensorboard_dir",
+    "--tb-project-name": "tracking.tensorboard_dir",  # Miles: TensorBoard's log folder
+    "--use-mlflow": "tracking.mlflow",
+    "--mlflow-tracking-uri": "tracking.mlflow_tracking_uri",
+    "--mlflow-experiment-name": "tracking.mlflow_experiment",
+    "--mlflow-run-name": "tracking.mlflow_run_name",
+    "--ui-update-every-s": "tracking.live_every_s",
 }
 # Flags whose value maps to a fixed setting (Miles spellings of our options).
 SWITCHES: dict[str, tuple[str, Any]] = {

@@ -86,13 +86,22 @@ class _Owner:
     __hash__ = None  # type: ignore[assignment]
 
 
+def _form_order(schema: dict[str, Any], cls: type | None = None) -> None:
+    """Number a table's fields in the order they are declared (``position``): Prefect's form sorts
+    a table's fields by it, and a server on PostgreSQL keeps JSON objects' keys in its own order
+    (shortest first), not the schema's."""
+    for position, field in enumerate(schema.get("properties", {}).values()):
+        field["position"] = position
+
+
 class _Base(BaseModel):
     """Every config table. An assignment is validated like the field (``validate_assignment``) and,
     for a part of a ``RunConfig``, against the whole run's rules (``RunConfig.check_whole``); one
     that breaks a rule raises and changes nothing (pydantic alone keeps a value its model
     validators rejected, and never runs the parent's)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              json_schema_extra=_form_order)
     _owner: _Owner | None = PrivateAttr(default=None)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -160,12 +169,18 @@ class ModelConfig(_Base):
     path: str = "builtin:tiny-addition"
     """A local Hugging Face model folder (with its tokenizer), or ``builtin:tiny-addition`` for the
     tiny model built from ``tiny`` and cached under ``cache_dir``."""
-    tiny: TinyModelRecipe = Field(default_factory=TinyModelRecipe)
-    """Recipe of the built-in tiny model (used only when ``path`` is ``builtin:tiny-addition``)."""
-    cache_dir: str = ".cache/miles/models"
-    """Where built-in models are cached, one folder per recipe hash."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the policy in engine and trainer."""
+    cache_dir: str = ".cache/miles/models"
+    """Where built-in models are cached, one folder per recipe hash."""
+    tiny: TinyModelRecipe | None = None
+    """Recipe of the built-in tiny model (used only when ``path`` is ``builtin:tiny-addition``; None:
+    ``TinyModelRecipe``'s defaults)."""
+
+    @property
+    def recipe(self) -> TinyModelRecipe:
+        """The built-in tiny model's recipe: ``tiny``, or the default one."""
+        return self.tiny if self.tiny is not None else TinyModelRecipe()
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -818,6 +833,59 @@ class EvalConfig(_Base):
         return [d.model_copy(update={k: v for k, v in defaults.items() if getattr(d, k) is None}) for d in datasets]
 
 
+# ------------------------------------------------------------------------------------- tracking
+
+
+class TrackingConfig(_Base):
+    """Where a run's metrics go besides ``metrics.jsonl`` / ``eval.jsonl`` in the run folder and the
+    Prefect UI: Weights & Biases, TensorBoard, MLflow (each an optional extra: ``pip install
+    'miles-prefect[trackers]'``). Every tracker gets the same names as the files: a step's metrics as
+    ``metrics.jsonl`` has them (``reward_mean``, ``loss``, ...), each evaluation's as ``eval/<name>``
+    (``eval/accuracy``), at the training step (1-based); a multi-LoRA run's under ``<adapter>/``.
+    Credentials come from the tracker's own environment variables (``WANDB_API_KEY``, ...), never from
+    the config."""
+
+    live_every_s: float = Field(default=10.0, gt=0)
+    """The Prefect UI's per-run metrics table and curves are published again after a step at most
+    this often (and after the last step); the progress bar's line follows every 2 s."""
+    wandb: bool = False
+    """Log to Weights & Biases (Miles' ``--use-wandb``)."""
+    wandb_project: str | None = None
+    """W&B project (None: the run's name)."""
+    wandb_entity: str | None = None
+    """W&B entity, a user or team (Miles' ``--wandb-team``; None: the key's default)."""
+    wandb_group: str | None = None
+    """W&B group of the run."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """``offline`` writes the run to ``wandb_dir`` only (``wandb sync`` uploads it later); None:
+    ``WANDB_MODE`` or online."""
+    wandb_dir: str | None = None
+    """Local folder W&B writes its ``wandb/`` folder in (None: the run folder when it is local, else
+    the current folder)."""
+    wandb_run_name: str | None = None
+    """W&B run name (None: ``<name>-<run id>``; the W&B run id is the run id, so a resumed run goes
+    on in the same W&B run)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files (Miles' ``--use-tensorboard``)."""
+    tensorboard_dir: str | None = None
+    """Folder of the event files (None: the run folder's ``tensorboard/`` when the run folder is local,
+    else ``./tensorboard/<name>/<run id>``)."""
+    mlflow: bool = False
+    """Log to MLflow (Miles' ``--use-mlflow``): a run per training run, tagged ``miles.run_id`` (a
+    resumed run goes on in it)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (None: ``MLFLOW_TRACKING_URI``, else a local store in ``./mlruns``)."""
+    mlflow_experiment: str = "miles"
+    """MLflow experiment (created when missing)."""
+    mlflow_run_name: str | None = None
+    """MLflow run name (None: ``<name>-<run id>``)."""
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers this run logs to."""
+        return [name for name in ("wandb", "tensorboard", "mlflow") if getattr(self, name)]
+
+
 # ----------------------------------------------------------------------------------- checkpoint
 
 
@@ -1051,6 +1119,12 @@ def expand_dotted(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _run_schema(schema: dict[str, Any], cls: type | None = None) -> None:
+    _form_order(schema)
+    # dotted keys ("rollout.num_rollout") pass the JSON schema a Prefect server checks parameters with
+    schema["patternProperties"] = {r"^[A-Za-z_]\w*(\.\w+)+$": {}}
+
+
 def _link(config: _Base) -> None:
     """Point every table under ``config`` (lists of tables included) at the table it is part of."""
     for name in type(config).model_fields:
@@ -1065,25 +1139,26 @@ class RunConfig(_Base):
     """A whole training run."""
 
     # dotted keys ("rollout.num_rollout") pass the JSON schema a Prefect server checks parameters with
-    model_config = ConfigDict(**_Base.model_config,
-                              json_schema_extra={"patternProperties": {r"^[A-Za-z_]\w*(\.\w+)+$": {}}})
+    model_config = ConfigDict(**{**_Base.model_config, "json_schema_extra": _run_schema})
 
+    # the order of the UI's form: what a run is, then the rest
     name: str = "toy-addition"
     """Run name; the run folder is ``<storage.root>/<name>/<run_id>``."""
-    run_id: str | None = None
-    """Run id (None: a fresh timestamped id). An existing run with a checkpoint resumes from it."""
     mode: Literal["sync", "async", "fully_async"] = "sync"
     """Execution mode. ``sync``: rollout k, then train k, then push weights k. ``async``: rollout
     k+1 runs while train k does (one step ahead). ``fully_async``: a producer generates for the
     whole run into the sample stream and the trainer consumes from it."""
-    seed: int = Field(default=0, ge=0)
-    """Seed of prompt order and sampling."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=ToyDataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run_id: str | None = None
+    """Run id (None: a fresh timestamped id). An existing run with a checkpoint resumes from it."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of prompt order and sampling."""
     async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of the full policy (None: full fine-tuning)."""
     multi_lora: MultiLoraConfig | None = None
@@ -1091,7 +1166,7 @@ class RunConfig(_Base):
     Such a run is always fully async (``mode`` does not apply); ``checkpoint.save_interval`` saves
     each adapter (its trainer and its cursors) under ``adapters/<name>/checkpoints``, and the same
     run id resumes every adapter from its own."""
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)

@@ -48,6 +48,13 @@ NOTES = {
     "--rm-type": "a built-in reward by name",
     "--micro-batch-size": "samples per forward/backward pass (Miles: per GPU)",
     "--kl-loss-type": "`k1`, `k2`, `k3` (`low_var_kl` is `k3`, `kl` is `k1`)",
+    "--use-wandb": "needs `wandb` (`pip install 'miles-prefect[trackers]'`); metric names as in `metrics.jsonl`, "
+                   "evaluations as `eval/<name>`",
+    "--wandb-team": "the W&B entity",
+    "--use-tensorboard": "needs `tensorboard`; event files in the run folder's `tensorboard/` by default",
+    "--tb-project-name": "TensorBoard's log folder (as `--tensorboard-dir`)",
+    "--use-mlflow": "needs `mlflow-skinny`; default store `sqlite:///mlflow.db`, as MLflow's own (its file store is "
+                    "retired); `pass@k` is `pass_at_k` there",
 }
 
 _GROUPS: list[tuple[tuple[str, ...], str]] = [
@@ -59,11 +66,10 @@ _GROUPS: list[tuple[tuple[str, ...], str]] = [
       "--rollout-external"),
      "placement is Prefect's here: producers and the trainer run as flow runs on their work pools "
      "(`--rollout-deployment`, `--rollout-producers`, `--trainer-processes`, `--device-pool`)"),
-    (("--use-wandb", "--wandb-", "--disable-wandb-", "--use-tensorboard", "--tb-", "--tensorboard-dir",
-      "--use-mlflow", "--mlflow-", "--use-prometheus", "--prometheus-", "--use-miles-dashboard", "--dashboard-",
-      "--log-"),
-     "not yet: every step's metrics are in the run folder's `metrics.jsonl` and the run's Prefect "
-     "artifacts (curves, metrics table)"),
+    (("--use-prometheus", "--prometheus-", "--use-miles-dashboard", "--dashboard-", "--log-"),
+     "not here: every step's metrics are in the run folder's `metrics.jsonl`, the run's Prefect artifacts "
+     "(progress, metrics table, curves) and W&B, TensorBoard or MLflow (`--use-wandb`, `--use-tensorboard`, "
+     "`--use-mlflow`)"),
     (("--lr-", "--min-lr", "--use-checkpoint-lr-scheduler", "--override-lr-scheduler", "--warmup-ratio"),
      "the learning rate is constant here (`--lr`)"),
     (("--update-weight-", "--p2p-transfer-", "--custom-update-weight-"),
@@ -105,8 +111,15 @@ HINTS = {
     "--use-routing-replay": "MoE routing replay: not supported",
     "--custom-config-path": "`--config FILE.toml` (a TOML run config)",
     "--eval-top-k": "evaluation samples with `--eval-temperature` and `--eval-top-p`",
-    "--wandb-project": "not yet: every step's metrics are in the run folder's `metrics.jsonl` and the run's "
-                       "Prefect artifacts",
+    "--wandb-key": "set `WANDB_API_KEY` in the environment (a key never goes in the config, which is kept in "
+                   "the run folder and in Prefect's database)",
+    "--wandb-host": "set `WANDB_BASE_URL` in the environment",
+    "--wandb-run-id": "the W&B run id is the run id (`--run-id`): a resumed run goes on in its W&B run",
+    "--disable-wandb-random-suffix": "the W&B run is named `<name>-<run id>` (`--wandb-run-name` to name it)",
+    "--wandb-always-use-train-step": "always so: every metric is logged against the training step",
+    "--mlflow-run-id": "the MLflow run is found by its `miles.run_id` tag: `--run-id` (a resumed run goes on "
+                       "in it)",
+    "--tb-experiment-name": "`--tensorboard-dir DIR` (default: the run folder's `tensorboard/`)",
 }
 
 

@@ -62,6 +62,7 @@ from miles_core.session.parts import EngineLoop, RunFiles, built_once, is_built,
 from miles_core.session.refs import RunRefs
 from miles_core.session.rollouts import RolloutSide
 from miles_core.session.training import TrainerSide
+from miles_core.trackers import open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class AdapterSession:
             producer_metrics=ProducerMeter(lambda: run.producer), streams=run.streams, recycle=run.recycle,
             fleet_dir=run.refs.run_dir, build_trainer=(lambda: run.bank_trainer(name)) if run.shares_base else None,
         )
-        self.history = RunHistory(layout)
+        self.history = RunHistory(layout, run.trackers, prefix=f"{name}/")
         self.evals = Evaluator(self.cfg, self.refs, run.loop, self.files.weights, self.history,
                                lambda: run.rollouts.tokenizer)
         self.checkpoints = Checkpointer(self.cfg, self.refs, self.files)
@@ -157,7 +158,8 @@ class MultiLoraRun:
         base = cfg.model_copy(update={"lora": None, "mode": "fully_async"})  # the base model: no adapter of its own
         self.files, self.loop = RunFiles.open(base, refs), EngineLoop()
         self.rollouts = RolloutSide(base, refs, self.files, self.loop)
-        self.history = RunHistory(self.files.layout)
+        self.trackers = open_trackers(cfg, refs.run_id, refs.run_dir)  # one for the run: adapters under <name>/
+        self.history = RunHistory(self.files.layout, self.trackers)
         self.evals = Evaluator(base, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
         self.producer: RolloutProducer | None = None
         self._producer_error: BaseException | None = None
@@ -357,6 +359,7 @@ class MultiLoraRun:
         """End this start's sample stream and write ``summary.json``."""
         self.stream_of(self.producer_id).close()
         self.layout.write_json("summary.json", summary)
+        self.trackers.close(ok=not self.failed)
 
     def close(self) -> None:
         for session in self.adapters.values():
@@ -364,6 +367,7 @@ class MultiLoraRun:
         self.evals.close()
         self.rollouts.close()
         self.loop.close()
+        self.trackers.close(ok=False)  # nothing when finish closed them
 
 
 def _start_of(producer: str) -> int | None:

@@ -31,6 +31,7 @@ from miles_core.session.parts import EngineLoop, RunFiles, is_built
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
 from miles_core.session.rollouts import RolloutSide
 from miles_core.session.training import TrainerSide
+from miles_core.trackers import open_trackers
 
 __all__ = ["RolloutRef", "RunRefs", "RunSession", "TrainRef", "checkpoint_due", "close_session", "get_session",
            "prepare_run"]
@@ -95,7 +96,8 @@ class RunSession:
         self.loop = EngineLoop()
         self.rollouts = RolloutSide(cfg, refs, self.files, self.loop)
         self.training = TrainerSide(cfg, refs, self.files)
-        self.history = RunHistory(self.files.layout)
+        self.trackers = open_trackers(cfg, refs.run_id, refs.run_dir)
+        self.history = RunHistory(self.files.layout, self.trackers)
         self.evals = Evaluator(cfg, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
         self.checkpoints = Checkpointer(cfg, refs, self.files)
         self.fleet = None
@@ -177,6 +179,7 @@ class RunSession:
         """End the run's sample stream (readers see ``_END``) and write ``summary.json``."""
         self.files.stream.close()
         self.layout.write_json("summary.json", summary)
+        self.trackers.close(ok=True)
 
     def close(self) -> None:
         if self.fleet is not None:  # a run that ends by an error: its producers must not outlive it
@@ -185,6 +188,7 @@ class RunSession:
         self.evals.close()
         self.rollouts.close()
         self.loop.close()
+        self.trackers.close(ok=False)  # nothing when finish closed them
 
 
 class RunRegistry:

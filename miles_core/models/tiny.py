@@ -288,7 +288,7 @@ def ensure_model(model_cfg: ModelConfig, log: Callable[[str], None] = print) -> 
     """The folder of the starting policy: the cached built-in tiny model (built on first use) or
     the checked local Hugging Face folder that ``model_cfg.path`` names."""
     if model_cfg.path == BUILTIN_TINY:
-        return _ensure_builtin(model_cfg.tiny, Path(model_cfg.cache_dir), log)
+        return _ensure_builtin(model_cfg.recipe, Path(model_cfg.cache_dir), log)
     if model_cfg.path.startswith("builtin:"):
         raise ValueError(f"model.path={model_cfg.path!r}: the only built-in model is {BUILTIN_TINY!r}")
     path = Path(model_cfg.path).expanduser()

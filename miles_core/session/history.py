@@ -7,13 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from miles_core.storage.layout import RunLayout
+    from miles_core.trackers import Trackers
 
 
 class RunHistory:
-    """Rows this process recorded (a resumed run starts from the rows of its checkpoint)."""
+    """Rows this process recorded (a resumed run starts from the rows of its checkpoint). With
+    ``trackers``, every row also goes to the run's experiment trackers (``miles_core.trackers``):
+    a step's under ``prefix``, an evaluation's under ``prefix + "eval/"``."""
 
-    def __init__(self, layout: RunLayout) -> None:
+    def __init__(self, layout: RunLayout, trackers: Trackers | None = None, prefix: str = "") -> None:
         self.layout = layout
+        self.trackers, self.prefix = trackers, prefix
         self._metrics: list[dict[str, Any]] = []
         self._evals: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -23,6 +27,8 @@ class RunHistory:
         with self._lock:
             self._metrics.append({"step": step, **row})
             self.layout.write_jsonl("metrics.jsonl", self._metrics)
+        if self.trackers:
+            self.trackers.log(row, step, self.prefix)
 
     def add_eval(self, row: dict[str, Any]) -> None:
         """Add one evaluation to ``eval.jsonl``; evaluations may finish in any order, the file stays
@@ -31,6 +37,8 @@ class RunHistory:
             self._evals.append(row)
             self._evals.sort(key=lambda e: e["step"])
             self.layout.write_jsonl("eval.jsonl", self._evals)
+        if self.trackers:
+            self.trackers.log(row, row["step"], self.prefix + "eval/")
 
     @property
     def metrics_rows(self) -> list[dict[str, Any]]:

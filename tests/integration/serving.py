@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,24 +32,38 @@ def task_run_names(flow_run_id, expected: set[str], timeout: float = 30) -> list
     """The names of a flow run's task runs, once all of ``expected`` are among them. The server
     records task runs from events in batches (flows/prefect_defaults.py), so the last ones of a
     run appear up to a flush interval after the flow's own state does."""
+    return list(task_runs(flow_run_id, expected, timeout))
+
+
+def task_runs(flow_run_id, expected: set[str], timeout: float = 30) -> dict[str, Any]:
+    """A flow run's task runs by name (as ``task_run_names`` waits for them)."""
     import asyncio
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    async def names() -> list[str]:
+    async def read() -> dict[str, Any]:
         async with get_client() as client:
             runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-            return [t.name for t in runs]
+            return {t.name: t for t in runs}
 
-    found: list[str] = []
+    found: dict[str, Any] = {}
 
     def recorded() -> bool:
-        found[:] = asyncio.run(names())
+        found.clear()
+        found.update(asyncio.run(read()))
         return expected <= set(found)
 
     wait_for(recorded, timeout, f"task runs {sorted(expected - set(found))} of flow run {flow_run_id}")
     return found
+
+
+def task_graph(runs: dict[str, Any]) -> dict[str, set[str]]:
+    """Each task run's upstream task runs by name (its task inputs, ``wait_for`` included): the
+    edges of the flow run's graph in the UI."""
+    names = {t.id: name for name, t in runs.items()}
+    return {name: {names[i.id] for inputs in t.task_inputs.values() for i in inputs if getattr(i, "id", None) in names}
+            for name, t in runs.items()}
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from serving import task_run_names
+from serving import task_graph, task_runs
 
 pytestmark = pytest.mark.integration
 
@@ -65,9 +65,27 @@ def test_sync_flow_completes_and_lands_everything(prefect_backend, tiny_model_di
             return found
 
     found = asyncio.run(artifacts())
-    assert {a.type for a in found} >= {"progress", "table", "markdown"}
-    task_run_names(state.state_details.flow_run_id,
-                   {"prepare-run", "rollout-0", "train-0", "push-weights-v2", "evaluate-step-0"})
+    assert {a.type for a in found} >= {"progress", "table", "markdown", "image"}
+    # the UI's live view: one key per run, its latest version the whole run; the progress line says where it ended
+    key = f"flow-test-{summary['run_id']}"
+    tables = [a for a in found if a.key == f"{key}-metrics"]
+    assert tables and [row["step"] for row in json.loads(max(tables, key=lambda a: a.created).data)] == [1, 2, 3]
+    assert any(a.key == f"{key}-curves" for a in found) and any(a.key == f"{key}-summary" for a in found)
+    [progress] = [a for a in found if a.type == "progress"]
+    assert progress.data == 100.0 and progress.description.startswith("flow-test: step 3/3 | reward "), progress
+    assert f"held-out {evals[-1]['accuracy']:.3f} (step 3)" in progress.description, progress.description
+
+    # the graph in the UI follows the steps: rollout k -> train k -> push -> rollout k+1, not a star
+    # around prepare-run
+    runs = task_runs(state.state_details.flow_run_id,
+                     {"prepare-run", "rollout-0", "train-0", "push-weights-v2", "evaluate-step-0", "rollout-2",
+                      "push-weights-v6"})
+    graph = task_graph(runs)
+    assert graph["rollout-0"] == {"prepare-run"} and graph["train-0"] == {"rollout-0"}, graph
+    assert graph["push-weights-v2"] == {"train-0"} and graph["rollout-1"] == {"push-weights-v2"}
+    assert graph["train-2"] == {"rollout-2"} and graph["push-weights-v6"] == {"train-2"}
+    hanging = sorted(name for name, up in graph.items() if "prepare-run" in up)
+    assert hanging == ["check-data", "evaluate-step-0", "resume-run", "rollout-0"], hanging
 
 
 def test_bad_dataset_fails_the_run_before_any_rollout(prefect_backend, tiny_model_dir, tmp_path):
