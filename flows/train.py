@@ -37,6 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.futures import PrefectFuture
 from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 
@@ -166,9 +167,41 @@ def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | 
 
 # Task inputs draw the flow run's graph. A step's tasks get their arguments quoted (else every task
 # would hang off ``prepare-run``, which made the refs, and Prefect would match the floats inside a
-# ref to any earlier task's result by ``id``) and the task before as ``wait_for``: its future (a
-# state would be searched through, result and all), so the graph reads rollout k -> train k ->
-# push-weights v -> rollout k+1. Submitted and waited for at once, they run one after the other.
+# ref to any earlier task's result by ``id``) and the task before as ``wait_for`` (``Ran``), so the
+# graph reads rollout k -> train k -> push-weights v -> rollout k+1. The tasks are called, not
+# submitted: they run on the flow's thread, where a cancellation interrupts them.
+
+
+class Ran(PrefectFuture):
+    """A task run that has ended (``task(..., return_state=True)``), as a future: ``wait_for=[Ran(state)]``
+    draws the edge from it. A state itself would be searched through, result and all, and a float
+    in its result taken for an unrelated task's result that once had the same ``id``."""
+
+    def __init__(self, state) -> None:
+        self._final_state = state
+
+    @property
+    def task_run_id(self):
+        return self._final_state.state_details.task_run_id
+
+    @property
+    def state(self):
+        return self._final_state
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        return self._final_state.result(raise_on_failure=raise_on_failure)
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+
+def _run(task, *args, after: Any = None) -> tuple[Any, Ran]:
+    """Call ``task`` (after ``after``, a ``Ran``, if any): its result, and it as a ``Ran``."""
+    state = task(*args, wait_for=[after] if after is not None else None, return_state=True)
+    return state.result(), Ran(state)
 
 
 def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
@@ -177,12 +210,9 @@ def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[
     pushed = None
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
-        rolled = rollout.submit(c, q if pushed else refs, step, wait_for=pushed)
-        r = rolled.result()
-        trained = train_step.submit(c, q, quote(r), wait_for=[rolled])
-        t = trained.result()
-        pushed = [push_weights.submit(c, q, quote(t), wait_for=[trained])]
-        push_s = pushed[0].result()
+        r, rolled = _run(rollout, c, q if pushed else refs, step, after=pushed)
+        t, trained = _run(train_step, c, q, quote(r), after=rolled)
+        push_s, pushed = _run(push_weights, c, q, quote(t), after=trained)
         row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s, REWARD_ERRORS: r.reward_errors}
         row["step_seconds"] = time.perf_counter() - t0
         row["trainer_wait_seconds"] = r.metrics["rollout_seconds"]
@@ -206,17 +236,16 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
             waited = time.perf_counter() - t0
             if step == start > 0 and step + 1 < total:
                 _load_version(cfg, refs, session, _async_rollout_version(session, interval, step + 1))
-            rolled, ahead = ahead, rollout.submit(c, q, step + 1, wait_for=pushed) if step + 1 < total else None
-            trained = train_step.submit(c, q, quote(r), wait_for=[rolled])
-            t = trained.result()
+            rolled = ahead
+            ahead = rollout.submit(c, q, step + 1, wait_for=[pushed] if pushed else None) if step + 1 < total else None
+            t, trained = _run(train_step, c, q, quote(r), after=rolled)
             push_s = 0.0
             if (step + 1) % interval == 0 or step + 1 == total:
                 t_wait = time.perf_counter()
                 if ahead is not None:  # no training rollout in flight while the weights change
                     ahead.wait()
                 waited += time.perf_counter() - t_wait
-                pushed = [push_weights.submit(c, q, quote(t), wait_for=[trained])]
-                push_s = pushed[0].result()
+                push_s, pushed = _run(push_weights, c, q, quote(t), after=trained)
             row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s,
                    REWARD_ERRORS: r.reward_errors}
             row["step_seconds"] = time.perf_counter() - t0
@@ -238,8 +267,7 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         try:
-            trained = train_from_stream.submit(c, q if trained else refs, step, wait_for=[trained] if trained else None)
-            t = trained.result()
+            t, trained = _run(train_from_stream, c, q if trained else refs, step, after=trained)
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
             raise _stopped(cfg, refs, session, step, None) from None
         row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,

@@ -130,16 +130,25 @@ def _artifacts(flow_run_id) -> dict[str, list]:
     return by_type
 
 
+def _latest(artifacts: list):
+    """The newest version of a run's keyed artifact (a live run publishes several)."""
+    assert len({a.key for a in artifacts}) == 1 and artifacts[0].key, [a.key for a in artifacts]
+    return max(artifacts, key=lambda a: a.created)
+
+
 def _assert_run_artifacts(flow_run_id, run_dir: str) -> None:
     artifacts = _artifacts(flow_run_id)
     assert {"table", "markdown", "image", "progress"} <= set(artifacts), sorted(artifacts)
-    [image] = artifacts["image"]
+    image = _latest(artifacts["image"])
     assert image.data.startswith("data:image/png;base64,") and len(image.data) > 5000, image.data[:80]
     assert (Path(run_dir) / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     [summary] = artifacts["markdown"]
     assert f"[{run_dir}](file://{run_dir})" in summary.data, summary.data  # a link to the run folder
-    [table] = artifacts["table"]
+    table = _latest(artifacts["table"])
+    assert table.key == f"{Path(run_dir).parent.name}-{Path(run_dir).name}-metrics"
     assert [row["step"] for row in json.loads(table.data)] == [1, 2, 3]
+    [progress] = artifacts["progress"]
+    assert progress.data == 100.0 and " step 3/3 | reward " in progress.description, progress.description
 
 
 def test_deployments_are_registered_with_the_run_config_form(serving, tiny_model_dir, runs_root):
@@ -200,6 +209,33 @@ def test_a_deployment_runs_cfg_is_applied_on_top_of_the_served_one(serving, post
     assert Path(summary["run_dir"]) == runs_root / "ui-form" / run_id
     saved = json.loads((Path(summary["run_dir"]) / "config.json").read_text())
     assert saved["model"]["path"] == str(tiny_model_dir) and saved["rollout"]["rollout_batch_size"] == 4
+
+
+def test_a_mode_deployment_refuses_a_run_of_another_mode(serving, postgres_backend, runs_root):
+    """``train/sync`` trains in sync mode (its runs are tagged so): its form offers sync only, so the
+    server refuses a run asking for fully_async; a run that skips the server's check (a deployment
+    from prefect.yaml has the flow's own schema) fails at once, naming the deployment to use."""
+    from deployments.api import RunFailed, get_run
+
+    cli = subprocess.run([str(Path(sys.executable).parent / "prefect"), "deployment", "run", "train/sync",
+                          "--param", "cfg=" + json.dumps({"mode": "fully_async", "run_id": "wrong-mode"})],
+                         env={**os.environ, "PREFECT_API_URL": postgres_backend}, capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert cli.returncode != 0 and "'fully_async' is not one of ['sync']" in cli.stdout + cli.stderr, cli.stdout
+
+    deployment = _deployment("train/sync")
+
+    async def unchecked(client):
+        response = await client._client.post(f"/deployments/{deployment.id}/create_flow_run", json={
+            "parameters": {"cfg": {"mode": "fully_async", "run_id": "wrong-mode"}},
+            "enforce_parameter_schema": False})
+        response.raise_for_status()
+        return response.json()["id"]
+
+    run = get_run(_client_call(unchecked))
+    with pytest.raises(RunFailed, match="start it on the 'fully-async' deployment"):
+        run.wait(timeout=120)
+    assert not (runs_root / "ui-form" / "wrong-mode").exists()  # refused before the run folder was made
 
 
 def test_the_scheduled_evaluation_fires(serving, api_run, runs_root):
@@ -345,7 +381,7 @@ def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(se
     from playwright.sync_api import expect
 
     deployment = _deployment("train/sync")
-    image = _artifacts(api_run.id)["image"][0]
+    image = _latest(_artifacts(api_run.id)["image"])
     with _screenshot_on_failure(page, "ui-artifacts"):
         page.goto(f"{page.ui}/deployments")
         expect(page.get_by_text("7 Deployments")).to_be_visible()  # rollout/fleet among them
@@ -358,12 +394,13 @@ def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(se
         page.goto(f"{page.ui}/runs/flow-run/{api_run.id}")
         expect(page.get_by_text("Completed").first).to_be_visible()
         page.get_by_text("Artifacts", exact=True).click()
-        for description in ("per-step metrics", "steps done out of 3", "summary", "reward and held-out accuracy"):
+        for description in ("per-step metrics", "flow-test: step 3/3 | reward", "summary",
+                            "reward and held-out accuracy"):
             expect(page.get_by_text(description).first).to_be_visible()
         page.screenshot(path=SCREENSHOTS / "ui-flow-run-artifacts.png", full_page=True)
 
         page.get_by_text("reward and held-out accuracy").first.click()  # the curves artifact's own page
-        expect(page).to_have_url(re.compile(f"/artifacts/artifact/{image.id}"))
+        expect(page).to_have_url(re.compile(f"/artifacts/(artifact/{image.id}|key/{image.key})"))
         curves = page.locator("img[src^='data:image/png']").first
         expect(curves).to_be_visible()
         assert curves.evaluate("img => img.complete && img.naturalWidth") > 300, "the curves image did not draw"
@@ -390,12 +427,15 @@ def test_cancelling_from_the_ui_ends_the_run_cancelled_leaving_nothing_partial(s
 
 
 @needs_chromium
-def test_a_run_started_from_the_ui_form_completes(serving, page, runs_root):
+def test_a_run_started_from_the_ui_form_keeps_its_name_and_completes(serving, page, runs_root):
     """The UI's Run > Custom run on ``train/sync``: the RunConfig form renders with ``miles serve``'s
-    config as its defaults, and submitting it starts a run that completes."""
+    config as its defaults, what a run is first (name, mode, model, data, ...), the tiny model's
+    recipe folded, and a mode field offering sync only; submitted with a Run Name of our own, it
+    starts a run of that name (found by it) that completes."""
     from playwright.sync_api import expect
 
     deployment = _deployment("train/sync")
+    name = f"my-form-run-{uuid.uuid4().hex[:6]}"
     with _screenshot_on_failure(page, "ui-form"):
         page.goto(f"{page.ui}/deployments/deployment/{deployment.id}")
         page.get_by_role("button", name="Run", exact=True).click()
@@ -403,13 +443,67 @@ def test_a_run_started_from_the_ui_form_completes(serving, page, runs_root):
         expect(page).to_have_url(re.compile(f"/deployments/deployment/{deployment.id}/run"))
         expect(page.get_by_text("A whole training run.")).to_be_visible()  # RunConfig's form
         page.screenshot(path=SCREENSHOTS / "ui-form.png", full_page=True)
+        labels = [t.strip() for t in page.locator("label").all_inner_texts() if t.strip()]
+        first = [t for t in labels if t.split(" (")[0] in ("Name", "Mode", "Model", "Data", "Rollout", "Train")]
+        assert [t.split(" (")[0] for t in first[:6]] == ["Name", "Mode", "Model", "Data", "Rollout", "Train"], labels
+        assert "Hidden Size" not in " ".join(labels), "the tiny model's recipe is folded away"
+        page.get_by_text("Run Name", exact=True).locator("xpath=following::input[1]").fill(name)
         page.get_by_role("button", name="Submit").click()
-    runs = wait_for(lambda: _flow_runs(deployment.id) and [r for r in _flow_runs(deployment.id) if r.name == "ui-form"],
-                    60, "the run the form started")
+    runs = wait_for(lambda: [r for r in _flow_runs(deployment.id) if r.name == name], 60, f"the run named {name}")
     from deployments.api import get_run
 
     run = get_run(runs[0].id)  # its run id was given by the flow (the form had none): read from its label
     summary = run.wait(timeout=240)
-    assert summary["steps"] == 2 and run.status() == "COMPLETED"
-    assert summary["run_dir"] == run.run_dir == str(runs_root / "ui-form" / run.run_id)
+    assert summary["steps"] == 2 and run.status() == "COMPLETED" and sorted(runs[0].tags) == ["sync", "train"]
+    assert summary["run_dir"] == run.run_dir == str(runs_root / "ui-form" / run.run_id)  # the config's name: its folder
     assert [r["step"] for r in run.metrics()] == [1, 2]
+    assert [r.name for r in _flow_runs(deployment.id) if r.id == run.id] == [name]  # never renamed
+
+
+@needs_chromium
+def test_a_running_runs_metrics_artifact_changes_in_the_ui(serving, tiny_model_dir, runs_root, page):
+    """A run publishes its metrics table under one key every ``tracking.live_every_s``: the key's page
+    in the UI shows more steps a few seconds later, while the run goes on."""
+    from playwright.sync_api import expect
+
+    from deployments.api import start_run
+
+    run_id = "live-" + uuid.uuid4().hex[:8]
+    cfg = _cfg(runs_root, tiny_model_dir, name="live-test", run_id=run_id,
+               rollout={"num_rollout": 400, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
+                        "rollout_max_response_len": 4},
+               eval={"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True},
+               tracking={"live_every_s": 1.0})
+    run = start_run(cfg, deployment="train/sync")
+    key = f"live-test-{run_id}-metrics"
+
+    def published_steps() -> int:
+        tables = _artifacts(run.id).get("table", [])
+        return max((len(json.loads(t.data)) for t in tables if t.key == key), default=0)
+
+    try:
+        with _screenshot_on_failure(page, "ui-live"):
+            wait_for(lambda: published_steps() >= 2, 120, "the run's first metrics table")
+            page.goto(f"{page.ui}/artifacts/key/{key}")
+            first = page.get_by_text(re.compile(r"per-step metrics \(step \d+ of 400\)")).first
+            expect(first).to_be_visible()
+            before = first.inner_text()
+            page.screenshot(path=SCREENSHOTS / "ui-live-1.png", full_page=True)
+            seen = published_steps()
+            wait_for(lambda: published_steps() > seen, 60, "a newer version of the metrics table")
+            page.reload()
+            later = page.get_by_text(re.compile(r"per-step metrics \(step \d+ of 400\)")).first
+            expect(later).not_to_have_text(before)
+            page.screenshot(path=SCREENSHOTS / "ui-live-2.png", full_page=True)
+            step = lambda text: int(re.search(r"step (\d+) of", text).group(1))  # noqa: E731
+            assert step(later.inner_text()) > step(before), (before, later.inner_text())
+            assert (SCREENSHOTS / "ui-live-1.png").read_bytes() != (SCREENSHOTS / "ui-live-2.png").read_bytes()
+            # the newest version is the table itself, one row per step so far
+            latest = max((t for t in _artifacts(run.id)["table"] if t.key == key), key=lambda a: a.created)
+            page.goto(f"{page.ui}/artifacts/artifact/{latest.id}")
+            expect(page.get_by_text("reward_mean").first).to_be_visible()
+            expect(page.get_by_role("cell", name=str(len(json.loads(latest.data))), exact=True).first).to_be_visible()
+            page.screenshot(path=SCREENSHOTS / "ui-live-table.png", full_page=True)
+            assert run.status() == "RUNNING"
+    finally:
+        run.cancel(timeout=60)
