@@ -1,6 +1,6 @@
 """Experiment trackers (miles_core/trackers.py): which numbers go, under which names, and what a
 missing package says. TensorBoard's event files are read back with TensorBoard's own reader; W&B
-and MLflow are read back after a real run in tests/integration/test_trackers.py."""
+and MLflow are read back after a real run in tests/integration/test_trackers_run.py."""
 
 from __future__ import annotations
 
