@@ -124,6 +124,10 @@ FLAGS: dict[str, str] = {
     "--save": "storage.root",  # Miles' checkpoint folder: here the run folder, checkpoints and all, goes under it
     "--storage-credentials-block": "storage.credentials_block",
     "--segment-compression": "storage.segment_compression",
+    "--lr-decay-style": "train.lr_decay_style",
+    "--lr-warmup-iters": "train.lr_warmup_steps",
+    "--lr-decay-iters": "train.lr_decay_steps",
+    "--min-lr": "train.min_lr",
     "--use-wandb": "tracking.wandb",
     "--wandb-project": "tracking.wandb_project",
     "--wandb-team": "tracking.wandb_entity",
@@ -255,8 +259,6 @@ def _add_miles_flags(p: argparse.ArgumentParser) -> None:
     for flag, key in (("--eval-input-key", "input_key"), ("--eval-label-key", "label_key")):
         p.add_argument(flag, dest=f"miles:eval_{key}", metavar=key.upper(), default=argparse.SUPPRESS,
                        help=NOTES[flag])
-    p.add_argument("--lr-decay-style", dest="miles:lr_decay_style", metavar="STYLE", default=argparse.SUPPRESS,
-                   help=NOTES["--lr-decay-style"])
     for flag in miles_flags():
         hint = unsupported(flag)
         if hint is not None and flag not in p._option_string_actions:
@@ -363,10 +365,6 @@ def _apply_miles_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
     if given.get("use_kl_loss") and not (data.get("train") or {}).get("kl_loss_coef"):
         raise SystemExit("--use-kl-loss needs --kl-loss-coef > 0: here the KL term is in the loss exactly when its "
                          "coefficient is above 0 (Miles only logs the KL with a coefficient of 0)")
-    style = given.get("lr_decay_style")
-    if style is not None and style != "constant":
-        raise SystemExit(f"--lr-decay-style {style}: not supported here; the learning rate is constant (--lr), "
-                         "as with --lr-decay-style constant")
     for key in ("input_key", "label_key"):
         if f"eval_{key}" in given:
             _set_eval_key(data, key, given[f"eval_{key}"])

@@ -24,6 +24,7 @@ This module imports without torch, transformers or prefect (a test checks it).
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -604,7 +605,21 @@ class TrainConfig(_Base):
     less compute on prompt tokens. Micro-batches are cut so a prompt's samples sit together. Off:
     every row runs prompt + response (needed for a model without a Hugging Face attention cache)."""
     lr: float = Field(default=1e-4, gt=0.0, le=1.0)
-    """AdamW learning rate (constant). 1e-4 suits the tiny demo model; real models want ~1e-6."""
+    """AdamW learning rate (the peak, with a schedule). 1e-4 suits the tiny demo model; real models
+    want ~1e-6."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after the warmup, as Megatron's (Miles' ``--lr-decay-style``):
+    ``constant`` stays at ``lr``; ``linear`` and ``cosine`` go from ``lr`` to ``min_lr`` over
+    ``lr_decay_steps``, then stay there."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup from 0 to ``lr`` (step k of the warmup trains at
+    ``lr * k / lr_warmup_steps``; Miles' ``--lr-warmup-iters``)."""
+    lr_decay_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps by which the decay reaches ``min_lr``, warmup included (None: the run's
+    optimizer steps, ``rollout.num_rollout`` times the steps per rollout batch; Miles'
+    ``--lr-decay-iters``)."""
+    min_lr: float = Field(default=0.0, ge=0.0)
+    """Where ``linear`` and ``cosine`` end (Miles' ``--min-lr``)."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
@@ -689,7 +704,26 @@ class TrainConfig(_Base):
                 "train.use_tis needs train.old_logprobs='recompute': with the rollout logprobs as the PPO "
                 "denominator the importance ratio exp(old - rollout) is 1 on every token"
             )
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the decay ends at min_lr")
         return self
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (1-based: the step that makes weights
+        version ``step``), as Megatron's scheduler: linear warmup, then ``lr_decay_style``. The
+        trainer sets it before each step, so a resumed run goes on with the same rates."""
+        if self.lr_warmup_steps and step <= self.lr_warmup_steps:
+            return self.lr * step / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.lr
+        if self.lr_decay_steps is None:
+            raise ValueError("train.lr_decay_steps is None: take the trainer's config from RunConfig.trainer_config()")
+        if step > self.lr_decay_steps:
+            return self.min_lr
+        span = self.lr_decay_steps - self.lr_warmup_steps
+        ratio = (step - self.lr_warmup_steps) / span if span > 0 else 1.0
+        coeff = 1.0 - ratio if self.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.lr - self.min_lr)
 
     def minibatch_sizes(self, num_samples: int) -> list[int]:
         """Samples in each optimizer step of a batch of ``num_samples`` (the last one may be smaller
@@ -1240,6 +1274,9 @@ class RunConfig(_Base):
             update["use_tis"] = self.mode != "sync" and self.train.old_logprobs == "recompute"
         if isinstance(self.train.loss, DrGRPOLossConfig) and self.train.loss.max_len is None:
             update["loss"] = self.train.loss.model_copy(update={"max_len": self.rollout.rollout_max_response_len})
+        if self.train.lr_decay_steps is None and self.train.lr_decay_style != "constant":
+            per_rollout = len(self.train.minibatch_sizes(self.samples_per_rollout))
+            update["lr_decay_steps"] = self.rollout.num_rollout * per_rollout
         return self.train.model_copy(update=update) if update else self.train
 
     def adapter_configs(self) -> dict[str, RunConfig]:

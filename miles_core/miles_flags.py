@@ -24,7 +24,7 @@ MODE_FLAGS = ("--fully-async", "--num-rollout", "--model", "--rollout-batch-size
 DOC_FLAGS = ("--lora-count", "--model", "--sglang-enable-ep-moe")
 """Of those, the ones Miles' argument files do not define."""
 
-SPECIAL = ("--config", "--load", "--use-kl-loss", "--eval-input-key", "--eval-label-key", "--lr-decay-style")
+SPECIAL = ("--config", "--load", "--use-kl-loss", "--eval-input-key", "--eval-label-key")
 """Miles flags ``cli`` parses itself (not through ``FLAGS`` or ``SWITCHES``)."""
 
 NOTES = {
@@ -36,8 +36,10 @@ NOTES = {
                      "is); Miles only logs the KL when the coefficient is 0",
     "--lora-count": "same as `--multi-lora-n-adapters` (Miles' docs spell it `--lora-count`); "
                     "`miles train` then runs the multi-LoRA flow",
-    "--lr-decay-style": "only `constant`: the learning rate is constant here (Megatron's default is "
-                        "`linear`)",
+    "--lr-decay-style": "`constant` (the default here; Megatron's is `linear`), `linear` or `cosine`, over "
+                        "`--lr-decay-iters` optimizer steps (default: the run's)",
+    "--lr-warmup-iters": "linear warmup from 0 over this many optimizer steps",
+    "--lr-decay-iters": "optimizer steps, warmup included (default: `--num-rollout` x steps per rollout)",
     "--rollout-seed": "the run's seed of prompt order and sampling (`seed`, also `--seed`)",
     "--seed": "the run's seed of prompt order and sampling; the trainer's is `train.seed`",
     "--train-backend": "`torch` or `deepspeed` (Miles: `megatron` or `fsdp`)",
@@ -70,8 +72,9 @@ _GROUPS: list[tuple[tuple[str, ...], str]] = [
      "not here: every step's metrics are in the run folder's `metrics.jsonl`, the run's Prefect artifacts "
      "(progress, metrics table, curves) and W&B, TensorBoard or MLflow (`--use-wandb`, `--use-tensorboard`, "
      "`--use-mlflow`)"),
-    (("--lr-", "--min-lr", "--use-checkpoint-lr-scheduler", "--override-lr-scheduler", "--warmup-ratio"),
-     "the learning rate is constant here (`--lr`)"),
+    (("--lr-", "--use-checkpoint-lr-scheduler", "--override-lr-scheduler", "--warmup-ratio"),
+     "the schedule here is `--lr-decay-style constant|linear|cosine` with `--lr-warmup-iters`, `--lr-decay-iters` "
+     "and `--min-lr` (a resumed run takes it from its config)"),
     (("--update-weight-", "--p2p-transfer-", "--custom-update-weight-"),
      "weights travel as versioned safetensors snapshots through the run's storage (`storage.root`)"),
     (("--use-fault-tolerance", "--ft-components", "--rollout-health-check-", "--trainer-heartbeat-checker-",

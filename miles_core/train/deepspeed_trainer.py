@@ -245,6 +245,7 @@ class DeepSpeedTrainer(TorchTrainer):
         if own_norm is not None and not math.isfinite(own_norm):  # torch's AdamW would apply it: drop it here
             self.engine.zero_grad()
             return {"nonfinite": 1.0}
+        lr = self._set_lr(self.optimizer)
         self.engine.step()
         if not self.engine.was_step_applied():  # the engine found the gradient norm not finite and dropped it
             return {"nonfinite": 1.0}
@@ -255,7 +256,7 @@ class DeepSpeedTrainer(TorchTrainer):
                 f"{norm} (loss {totals.get('loss')}); the weights are no longer trustworthy"
             )
         self._version += 1
-        return {**totals, "grad_norm": norm}
+        return {**totals, "grad_norm": norm, "lr": lr}
 
     def _grad_norm_of_plain_optimizer(self) -> float | None:
         """ZeRO stage 0 in fp32 steps torch's AdamW itself and keeps no gradient norm: measure the

@@ -91,7 +91,8 @@ from miles_core.types import Sample
 if TYPE_CHECKING:
     from miles_core.config import LoraConfig
 
-_AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_dev", "approx_kl", "grad_norm")
+_AVERAGED = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_dev", "approx_kl", "grad_norm",
+             "lr")
 # averaged over the optimizer steps after the first one of a batch (its off-policy steps)
 _OFF_POLICY = {"offpolicy_ratio_dev": "ratio_dev", "offpolicy_clipfrac": "clipfrac"}
 _MISMATCH = ("mismatch_kl", "train_rollout_logprob_abs_diff", "tis_weight_mean", "tis_clipfrac")  # the last two with TIS
@@ -347,10 +348,19 @@ class TorchTrainer:
         if not math.isfinite(sums["grad_norm"]):  # a NaN or infinite loss or gradient: never applied
             self.optimizer.zero_grad(set_to_none=True)
             return {"nonfinite": 1.0}
+        sums["lr"] = self._set_lr(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._version += 1
         return dict(sums)
+
+    def _set_lr(self, optimizer) -> float:
+        """The learning rate of the step about to make version ``version + 1`` (``TrainConfig.lr_at``),
+        set on ``optimizer``; returned for the step's metrics."""
+        lr = self.cfg.lr_at(self._version + 1)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _micro_loss(self, mb: TokenBatch, denom: float, temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the minibatch loss (divided by the minibatch's ``denom``)."""

@@ -59,10 +59,15 @@ def test_use_kl_loss_needs_its_coefficient(capsys):
     assert _cfg("--use-kl-loss", "--kl-loss-coef", "0.01").train.kl_loss_coef == 0.01
 
 
-def test_lr_decay_style_constant_is_the_only_one():
-    assert _cfg("--lr-decay-style", "constant").train.lr == 1e-4
-    with pytest.raises(SystemExit, match="--lr-decay-style cosine: not supported here; the learning rate is constant"):
-        _cfg("--lr-decay-style", "cosine")
+def test_the_lr_schedule_flags_set_the_train_schedule():
+    cfg = _cfg("--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--min-lr", "1e-6", "--lr", "1e-4",
+               "--num-rollout", "10")
+    assert (cfg.train.lr_decay_style, cfg.train.lr_warmup_steps, cfg.train.min_lr) == ("cosine", 5, 1e-6)
+    trainer = cfg.trainer_config()  # the decay spans the run's optimizer steps unless --lr-decay-iters says
+    assert trainer.lr_decay_steps == 10 * len(cfg.train.minibatch_sizes(cfg.samples_per_rollout))
+    assert _cfg("--lr-decay-style", "linear", "--lr-decay-iters", "7").trainer_config().lr_decay_steps == 7
+    with pytest.raises(ValueError, match="train.lr_decay_style"):
+        _cfg("--lr-decay-style", "inverse-square-root")  # not a style here: the config refuses it, naming the field
 
 
 def test_eval_keys_apply_to_every_held_out_file(tmp_path):

@@ -249,9 +249,11 @@ def test_exported_weights_reproduce_the_logits(tiny_model_dir, tmp_path):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("schedule", [{}, {"lr_decay_style": "cosine", "lr_warmup_steps": 1, "lr_decay_steps": 4,
+                                           "min_lr": 1e-5}], ids=["constant", "cosine"])
+def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tmp_path, schedule):
     # 2 optimizer steps per batch on shuffled minibatches: the shuffle RNG and Adam state both matter
-    cfg = dict(global_batch_size=4, micro_batch_size=2)
+    cfg = dict(global_batch_size=4, micro_batch_size=2, **schedule)
     ckpt = str(tmp_path / "ckpt" / "trainer.pt")
     straight = make_trainer(tiny_model_dir, tmp_path, **cfg)
     straight.step(make_batch(REWARDS_A))
@@ -265,6 +267,37 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model_dir, tmp_path):
     assert resumed.version == straight.version == 4
     assert m_resumed["loss"] == pytest.approx(m_straight["loss"], abs=1e-7)
     assert_same_params(straight, resumed, atol=1e-7)
+
+
+def test_each_optimizer_step_takes_its_scheduled_learning_rate(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, global_batch_size=4, micro_batch_size=4, lr=1e-3,
+                           lr_decay_style="linear", lr_warmup_steps=2, lr_decay_steps=4, min_lr=1e-4)
+    rates = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):  # the rate each optimizer step is taken with
+        rates.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    first = trainer.step(make_batch(REWARDS_A))  # 8 samples, 4 a step: versions 1 and 2 (warmup)
+    trainer.step(make_batch(REWARDS_B))  # versions 3 and 4 (decay)
+    trainer.step(make_batch(REWARDS_A))  # versions 5 and 6 (past the decay: min_lr)
+    assert rates == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4, 1e-4, 1e-4])
+    assert first["lr"] == pytest.approx(7.5e-4)  # the batch's steps, averaged, in its metrics
+
+
+def test_the_schedule_follows_megatron():
+    from miles_core.config import TrainConfig
+
+    linear = TrainConfig(lr=1.0, lr_decay_style="linear", lr_warmup_steps=2, lr_decay_steps=6, min_lr=0.1)
+    assert [round(linear.lr_at(k), 4) for k in range(1, 9)] == [0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1]
+    cosine = linear.model_copy(update={"lr_decay_style": "cosine"})
+    assert cosine.lr_at(4) == pytest.approx(0.55) and cosine.lr_at(3) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + 2 ** -0.5))
+    assert TrainConfig(lr=0.5).lr_at(1000) == 0.5  # constant: the default
+    assert TrainConfig(lr=1.0, lr_warmup_steps=4).lr_at(1) == 0.25  # warmup, then constant
+    with pytest.raises(ValueError, match="lr_decay_steps is None"):
+        TrainConfig(lr_decay_style="cosine").lr_at(1)  # the run fills it in (RunConfig.trainer_config)
 
 
 def test_kl_is_zero_while_the_policy_is_the_reference(tiny_model_dir, tmp_path):

@@ -54,9 +54,12 @@ def batches(n):
 # ------------------------------------------------------------------------------- same as torch
 
 
-def test_zero2_takes_the_torch_trainers_steps(tiny_model_dir, tmp_path):
-    torch_trainer = TorchTrainer(str(tiny_model_dir), TrainConfig(**STEP_CFG), FakeWeightStore(tmp_path))
-    ds = setup_trainer(ds_cfg(zero_stage=2, **STEP_CFG), str(tiny_model_dir), FakeWeightStore(tmp_path))
+@pytest.mark.parametrize("schedule", [{}, {"lr_decay_style": "cosine", "lr_warmup_steps": 2, "lr_decay_steps": 8,
+                                           "min_lr": 1e-5}], ids=["constant", "cosine"])
+def test_zero2_takes_the_torch_trainers_steps(tiny_model_dir, tmp_path, schedule):
+    cfg = {**STEP_CFG, **schedule}  # with a schedule: the rate set before each step reaches DeepSpeed's optimizer
+    torch_trainer = TorchTrainer(str(tiny_model_dir), TrainConfig(**cfg), FakeWeightStore(tmp_path))
+    ds = setup_trainer(ds_cfg(zero_stage=2, **cfg), str(tiny_model_dir), FakeWeightStore(tmp_path))
     assert type(ds).__name__ == "DeepSpeedTrainer" and ds.engine.zero_optimization_stage() == 2
     diffs = []
     for batch in batches(5):
@@ -64,7 +67,7 @@ def test_zero2_takes_the_torch_trainers_steps(tiny_model_dir, tmp_path):
         assert got["num_optimizer_steps"] == want["num_optimizer_steps"] == 2
         assert want["grad_norm"] > 10 * STEP_CFG["clip_grad"]  # clipping is active
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-        for key in ("pg_loss", "entropy", "clipfrac", "ratio_dev", "train_tokens"):
+        for key in ("pg_loss", "entropy", "clipfrac", "ratio_dev", "train_tokens", "lr"):
             assert got[key] == pytest.approx(want[key], abs=1e-4), key
         diffs.append(abs(got["loss"] - want["loss"]))
     assert max(diffs) < 1e-4, diffs
