@@ -9,8 +9,9 @@
   ``-curves``): the per-step metrics table and the reward and held-out accuracy curves (an image).
   A keyed artifact is versioned: the UI's Artifacts page and the run's Artifacts tab show the latest
   version of each key, so both follow the run. They are published again every
-  ``tracking.live_every_s`` seconds (drawing the curves costs about 0.1 s of CPU) and after the last
-  step.
+  ``tracking.live_every_s`` seconds and after the last step: drawing and encoding the curves costs
+  ~170 ms of CPU whether the run has 60 steps or 600 (measured on this project's 2-core machine),
+  under 2% of a core at the default 10 s.
 """
 
 from __future__ import annotations
