@@ -32,3 +32,26 @@ def test_the_readmes_python_example_runs(prefect_backend, tiny_model_dir, tmp_pa
     lines = out.getvalue().splitlines()
     assert re.fullmatch(r"[0-9.]+ -> [0-9.]+", lines[0]), lines
     assert [line.split()[0] for line in lines[1:]] == ["1", "2"], lines
+
+
+def test_the_readmes_commands_run(demo_model, tmp_path):
+    """``scripts/demo.sh`` (made short with flags, which it passes on to ``miles train``) prints the
+    before/after table; ``miles train --help`` lists the flags. (``scripts/test.sh`` is CI itself.)"""
+    import os
+    import subprocess
+
+    readme = (REPO / "README.md").read_text()
+    [commands] = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    assert [line.split()[0] for line in commands.splitlines()] == ["scripts/demo.sh", "scripts/test.sh"]
+    assert ".venv/bin/miles train --help" in readme
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    demo = subprocess.run(["scripts/demo.sh", "--num-rollout", "2", "--eval-num-prompts", "16",
+                           "--storage-root", str(tmp_path / "runs")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-3000:]
+    assert "starting policy" in demo.stdout and "after   2 GRPO steps" in demo.stdout, demo.stdout[-2000:]
+    assert str(tmp_path / "runs" / "toy-addition") in demo.stdout
+    usage = subprocess.run([str(REPO / ".venv" / "bin" / "miles"), "train", "--help"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "--lora-count" in usage.stdout and "--use-wandb" in usage.stdout
