@@ -57,9 +57,10 @@ def deployment_config(cfg: RunConfig) -> RunConfig:
         deployment = client.read_deployment(run.deployment_id)
     mode = (deployment.parameters.get("cfg") or {}).get("mode")
     if mode is not None and mode != cfg.mode and cfg.multi_lora is None:
-        raise ValueError(f"deployment {deployment.name!r} trains in mode {mode!r} (its runs are tagged so); this run asks for "
-                         f"mode {cfg.mode!r}: start it on the {cfg.mode.replace('_', '-')!r} deployment instead, or "
-                         f"leave mode as it is")
+        wanted = cfg.mode.replace("_", "-")
+        raise ValueError(f"deployment {deployment.name!r} trains in mode {mode!r} (its runs are tagged so); this "
+                         f"run asks for mode {cfg.mode!r}: start it on the {wanted!r} deployment instead, or leave "
+                         f"mode as it is")
     return cfg
 
 

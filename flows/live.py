@@ -21,7 +21,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefect.artifacts import create_image_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_image_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from miles_core.report import data_url, run_curves
 
@@ -93,7 +98,8 @@ class LiveReport:
             done = step - self.start
             eta = (now - self.t0) / done * (self.total - step) if done > 0 else None
             evals = self.history.eval_rows
-            line = progress_line(self.title, step, self.total, rows[-1] if rows else {}, evals[-1] if evals else None, eta)
+            last, held_out = rows[-1] if rows else {}, evals[-1] if evals else None
+            line = progress_line(self.title, step, self.total, last, held_out, eta)
             update_progress_artifact(self.progress, 100.0 * step / self.total, description=line)
             self.progress_at = now
         if not last and now - self.published_at >= self.every_s:

@@ -37,8 +37,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.futures import PrefectFuture
 from prefect.artifacts import create_markdown_artifact
+from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run, flow_run_name
@@ -119,12 +119,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             for step, row, r in steps(cfg, refs, session, start):
                 reward_errors = row.pop(REWARD_ERRORS, [])
                 if _due(cfg, step) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
-                    row["eval_accuracy"] = evaluate(cfg, quote(refs), step + 1)["accuracy"]
+                    row["eval_accuracy"] = evaluate(quote(cfg), quote(refs), quote(step + 1))["accuracy"]
                 elif _due(cfg, step):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
                 session.history.record(step + 1, row)
                 if checkpoint_due(cfg, step + 1):
-                    save_checkpoint(cfg, quote(refs), step + 1, quote(r))
+                    save_checkpoint(quote(cfg), quote(refs), quote(step + 1), quote(r))
                 log.info(_step_line(step, total, row))
                 if row.get("reward_failed"):
                     log.warning("step %d: %d of %d samples' rewards failed (they train nothing): %s", step + 1,
@@ -165,11 +165,13 @@ def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | 
 # evaluates, records and checkpoints in between. Their ``finally`` leaves nothing running.
 
 
-# Task inputs draw the flow run's graph. A step's tasks get their arguments quoted (else every task
-# would hang off ``prepare-run``, which made the refs, and Prefect would match the floats inside a
-# ref to any earlier task's result by ``id``) and the task before as ``wait_for`` (``Ran``), so the
-# graph reads rollout k -> train k -> push-weights v -> rollout k+1. The tasks are called, not
-# submitted: they run on the flow's thread, where a cancellation interrupts them.
+# Task inputs draw the flow run's graph. Prefect links an argument to an earlier task run when the
+# argument, or a part of it, is that run's result, matched by ``id()`` where the object takes no
+# weak reference (numbers, strings, lists): a new object at a freed result's address is taken for
+# it, and a task got edges from runs it never used. So a step's tasks get every argument quoted (not
+# searched) and the task before as ``wait_for``, one future, not a list (``Ran``): the graph reads
+# prepare-run -> rollout-0 -> train-0 -> push-weights-v1 -> rollout-1 -> ... The tasks are called,
+# not submitted: they run on the flow's thread, where a cancellation interrupts them.
 
 
 class Ran(PrefectFuture):
@@ -199,18 +201,19 @@ class Ran(PrefectFuture):
 
 
 def _run(task, *args, after: Any = None) -> tuple[Any, Ran]:
-    """Call ``task`` (after ``after``, a ``Ran``, if any): its result, and it as a ``Ran``."""
-    state = task(*args, wait_for=[after] if after is not None else None, return_state=True)
+    """Call ``task`` (after ``after``, a future, if any): its result, and it as a ``Ran``."""
+    state = task(*args, wait_for=after, return_state=True)
     return state.result(), Ran(state)
 
 
 def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
     """rollout k -> train k -> push weights k."""
-    c, q = quote(cfg), quote(refs)  # the tasks' config, not introspected by Prefect on every call (it holds no futures)
+    c, q = quote(cfg), quote(refs)  # not introspected by Prefect on every call (they hold no futures)
     pushed = None
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
-        r, rolled = _run(rollout, c, q if pushed else refs, step, after=pushed)
+        # the first rollout takes the refs as they are: its edge from prepare-run
+        r, rolled = _run(rollout, c, q if pushed else refs, quote(step), after=pushed)
         t, trained = _run(train_step, c, q, quote(r), after=rolled)
         push_s, pushed = _run(push_weights, c, q, quote(t), after=trained)
         row = {**r.metrics, **t.metrics, "version": t.version, "push_seconds": push_s, REWARD_ERRORS: r.reward_errors}
@@ -227,7 +230,7 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
     if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
         _load_version(cfg, refs, session, _async_rollout_version(session, interval, start))
     c, q = quote(cfg), quote(refs)  # as in _sync_steps
-    ahead = rollout.submit(c, refs, start)
+    ahead = rollout.submit(c, refs, quote(start))
     pushed = None  # the newest push: the rollouts submitted after it generate with its weights
     try:
         for step in range(start, total):
@@ -237,7 +240,7 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
             if step == start > 0 and step + 1 < total:
                 _load_version(cfg, refs, session, _async_rollout_version(session, interval, step + 1))
             rolled = ahead
-            ahead = rollout.submit(c, q, step + 1, wait_for=[pushed] if pushed else None) if step + 1 < total else None
+            ahead = rollout.submit(c, q, quote(step + 1), wait_for=pushed) if step + 1 < total else None
             t, trained = _run(train_step, c, q, quote(r), after=rolled)
             push_s = 0.0
             if (step + 1) % interval == 0 or step + 1 == total:
@@ -267,7 +270,7 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
     for step in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         try:
-            t, trained = _run(train_from_stream, c, q if trained else refs, step, after=trained)
+            t, trained = _run(train_from_stream, c, q if trained else refs, quote(step), after=trained)
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
             raise _stopped(cfg, refs, session, step, None) from None
         row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
@@ -286,7 +289,7 @@ def _async_rollout_version(session, interval: int, k: int) -> int:
 
 def _load_version(cfg: RunConfig, refs: RunRefs, session, version: int) -> None:
     uri = session.training.weights_uri(version)
-    push_weights(cfg, refs, TrainRef(step=-1, version=version, weights_uri=uri))
+    push_weights(quote(cfg), quote(refs), quote(TrainRef(step=-1, version=version, weights_uri=uri)))
 
 
 def _with_idle(row: dict[str, Any]) -> dict[str, Any]:

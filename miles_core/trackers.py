@@ -173,7 +173,8 @@ class MlflowTracker:
 
         for name in ("mlflow", "alembic"):  # table creation and migrations log at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
-        uri = t.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
+        uri = (t.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+               or f"sqlite:///{Path('mlflow.db').resolve()}")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(t.mlflow_experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(t.mlflow_experiment)
