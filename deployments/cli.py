@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "build-model":
         from miles_core.models.tiny import ensure_model
 
-        print(ensure_model(cfg.model))
+        print(ensure_model(cfg.model, shipped=not args.no_shipped))
         return 0
     if args.command == "serve":
         try:

@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text, allow_abbrev=False)
         if name in ("config-doc", "flags-doc"):
             continue
+        if name == "build-model":
+            p.add_argument("--no-shipped", action="store_true",
+                           help="build the tiny model from its recipe (~2 min) instead of copying the build that ships "
+                                "with the package")
         p.add_argument("--config", help="TOML run config to start from (default: built-in defaults)")
         p.add_argument("--verbose", action="store_true",
                        help="show the libraries' progress bars, deprecation warnings and banners (hidden by default)")

@@ -266,3 +266,20 @@ def test_task_and_cache_modules_import_without_torch():
     code = "import sys, miles_core.data.toy, miles_core.models; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_fresh_cache_takes_the_shipped_build_of_the_default_recipe(tmp_path):
+    """The default recipe's build ships with the package: a fresh clone copies it instead of a ~2 min
+    build, and the copy is the shipped weights byte for byte."""
+    from miles_core.models.tiny import SHIPPED, recipe_hash
+
+    name = f"tiny-addition-{recipe_hash(TinyModelRecipe())}"
+    assert [p.name for p in SHIPPED.iterdir() if p.is_dir()] == [name], (
+        "the shipped build is not the default recipe's: rebuild it (`miles build-model --no-shipped`) and copy the "
+        "folder, without _COMPLETE, to miles_core/models/shipped/")
+    path, logs = _ensure(ModelConfig(cache_dir=str(tmp_path)))
+    assert path == tmp_path / name and not _built(logs) and any("shipped build" in line for line in logs)
+    assert (path / "model.safetensors").read_bytes() == (SHIPPED / name / "model.safetensors").read_bytes()
+    assert (path / "_COMPLETE").read_text().strip() == recipe_hash(TinyModelRecipe())
+    report = json.loads((path / "warm_start.json").read_text())
+    assert report["recipe"] == TinyModelRecipe().model_dump(mode="json")
