@@ -21,7 +21,7 @@ def prefect_backend():
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:
-    """The demo's warm-started tiny model (built once, about a minute, then cached)."""
+    """The demo's warm-started tiny model (its shipped build, copied into the cache once)."""
     from miles_core.config import ModelConfig
     from miles_core.models.tiny import ensure_model
 
