@@ -53,8 +53,8 @@ def deployment_config(cfg: RunConfig) -> RunConfig:
         run = client.read_flow_run(flow_run.id)
         if run.deployment_id is None:
             return cfg
-        cfg = run_config(run, client)
         deployment = client.read_deployment(run.deployment_id)
+    cfg = _merged(run, deployment.parameters.get("cfg"))
     mode = (deployment.parameters.get("cfg") or {}).get("mode")
     if mode is not None and mode != cfg.mode and cfg.multi_lora is None:
         wanted = cfg.mode.replace("_", "-")
@@ -70,16 +70,20 @@ def run_config(run: Any, client: Any) -> RunConfig:
     deployment's own ``cfg`` (``config.merge_overrides``: tables merge key by key, dotted keys reach
     into them), so ``--param cfg='{"rollout.num_rollout": 6}'`` changes one field of the served
     config instead of replacing the rest with built-in defaults. ``client``: a sync Prefect client."""
+    served = None if run.deployment_id is None else client.read_deployment(run.deployment_id).parameters.get("cfg")
+    return _merged(run, served)
+
+
+def _merged(run: Any, served: Any) -> RunConfig:
+    """Flow run ``run``'s cfg on top of ``served`` (its deployment's cfg, or None)."""
     from miles_core.config import merge_overrides
 
     given = run.parameters.get("cfg")
     if not isinstance(given, dict):
         raise ValueError(f"flow run {run.id} ({run.name!r}) has no 'cfg' parameter: not a miles run")
     source = f"flow run {run.id}'s cfg parameter"
-    if run.deployment_id is not None:
-        served = client.read_deployment(run.deployment_id).parameters.get("cfg")
-        if isinstance(served, dict):
-            given, source = merge_overrides(served, given), f"{source} on top of its deployment's"
+    if isinstance(served, dict):
+        given, source = merge_overrides(served, given), f"{source} on top of its deployment's"
     return RunConfig.model_validate_file_dict(given, source=source)
 
 

@@ -90,29 +90,28 @@ class LiveReport:
         self.t0 = self.progress_at = self.published_at = time.monotonic()
 
     def step_done(self, step: int) -> None:
-        """Step ``step`` (1-based) is recorded in the history: update what is due."""
+        """Step ``step`` (1-based) is recorded in the history: update what is due (the last step's
+        artifacts wait for ``finish``, after its evaluations)."""
         now = time.monotonic()
-        last = step >= self.total
-        if last or now - self.progress_at >= PROGRESS_EVERY_S:
-            rows = self.history.metrics_rows
+        final = step >= self.total
+        if final or now - self.progress_at >= PROGRESS_EVERY_S:
             done = step - self.start
-            eta = (now - self.t0) / done * (self.total - step) if done > 0 else None
-            evals = self.history.eval_rows
-            last, held_out = rows[-1] if rows else {}, evals[-1] if evals else None
-            line = progress_line(self.title, step, self.total, last, held_out, eta)
-            update_progress_artifact(self.progress, 100.0 * step / self.total, description=line)
+            self._progress(step, (now - self.t0) / done * (self.total - step) if done > 0 else None)
             self.progress_at = now
-        if not last and now - self.published_at >= self.every_s:
+        if not final and now - self.published_at >= self.every_s:
             self.publish()
 
     def finish(self, note: str = "") -> bytes:
         """After the last step and its evaluations: the final progress line and artifacts; returns the
         curves as PNG bytes."""
-        rows, evals = self.history.metrics_rows, self.history.eval_rows
-        step = rows[-1]["step"] if rows else self.start
-        line = progress_line(self.title, step, self.total, rows[-1] if rows else {}, evals[-1] if evals else None, None)
-        update_progress_artifact(self.progress, 100.0 * step / self.total, description=line)
+        rows = self.history.metrics_rows
+        self._progress(rows[-1]["step"] if rows else self.start, None)
         return self.publish(note)
+
+    def _progress(self, step: int, eta_s: float | None) -> None:
+        rows, evals = self.history.metrics_rows, self.history.eval_rows
+        line = progress_line(self.title, step, self.total, rows[-1] if rows else {}, evals[-1] if evals else None, eta_s)
+        update_progress_artifact(self.progress, 100.0 * step / self.total, description=line)
 
     def publish(self, note: str = "") -> bytes:
         """Publish the metrics table and the curves now (a new version of each key); returns the curves

@@ -908,16 +908,12 @@ class TrackingConfig(_Base):
     """Log to MLflow (Miles' ``--use-mlflow``): a run per training run, tagged ``miles.run_id`` (a
     resumed run goes on in it)."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI (None: ``MLFLOW_TRACKING_URI``, else a local store in ``./mlruns``)."""
+    """MLflow tracking URI (None: ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the current
+    folder: MLflow's file store no longer starts)."""
     mlflow_experiment: str = "miles"
     """MLflow experiment (created when missing)."""
     mlflow_run_name: str | None = None
     """MLflow run name (None: ``<name>-<run id>``)."""
-
-    @property
-    def trackers(self) -> list[str]:
-        """The trackers this run logs to."""
-        return [name for name in ("wandb", "tensorboard", "mlflow") if getattr(self, name)]
 
 
 # ----------------------------------------------------------------------------------- checkpoint
@@ -1172,7 +1168,6 @@ def _link(config: _Base) -> None:
 class RunConfig(_Base):
     """A whole training run."""
 
-    # dotted keys ("rollout.num_rollout") pass the JSON schema a Prefect server checks parameters with
     model_config = ConfigDict(**{**_Base.model_config, "json_schema_extra": _run_schema})
 
     # the order of the UI's form: what a run is, then the rest

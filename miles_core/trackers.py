@@ -111,9 +111,10 @@ def open_trackers(cfg: RunConfig, run_id: str, run_dir: str) -> Trackers:
 
 def _local_dir(run_dir: str, sub: str, fallback: Path) -> Path:
     """``run_dir/sub`` when the run folder is local, else ``fallback`` (trackers write local files)."""
-    if "://" in run_dir and not run_dir.startswith("file://"):
-        return fallback
-    return Path(run_dir.removeprefix("file://")) / sub
+    from miles_core.storage.fs import is_local, open_fs
+
+    fs, path = open_fs(run_dir)
+    return Path(path) / sub if is_local(fs) else fallback
 
 
 class WandbTracker:

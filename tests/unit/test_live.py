@@ -58,3 +58,32 @@ def test_a_mode_deployment_offers_its_mode_only(tmp_path, monkeypatch):
     # the flow's own schema (prefect deploy, other deployments) still offers every mode
     multi = served["multi-lora"]._parameter_openapi_schema.definitions["RunConfig"]["properties"]["mode"]
     assert multi["enum"] == ["sync", "async", "fully_async"]
+
+
+def test_a_live_report_republishes_on_its_interval_and_once_more_at_the_end(monkeypatch):
+    """Steps 1 s apart, progress every 2 s, artifacts every 5 s: the table and curves go out at 5 s and
+    10 s while the run goes on (also where the progress line is due at the same step), the last step
+    waits for ``finish``."""
+    import flows.live as live
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(live.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(live, "create_progress_artifact", lambda *a, **k: "progress-id")
+    monkeypatch.setattr(live, "update_progress_artifact", lambda _id, pct, description: calls.append(("progress", pct)))
+    monkeypatch.setattr(live, "create_table_artifact", lambda rows, key, description: calls.append(("table", len(rows))))
+    monkeypatch.setattr(live, "create_image_artifact", lambda url, key, description: calls.append(("image", key)))
+
+    class History:
+        metrics_rows: list = []
+        eval_rows: list = []
+
+    history = History()
+    report = live.LiveReport("toy", "toy-r1", total=12, start=0, history=history, every_s=5.0)
+    for step in range(1, 13):
+        clock[0] = float(step)
+        history.metrics_rows = [{"step": k, "reward_mean": 0.5} for k in range(1, step + 1)]
+        report.step_done(step)
+    assert [c for c in calls if c[0] == "table"] == [("table", 5), ("table", 10)]
+    assert [c[1] for c in calls if c[0] == "progress"] == [100 * k / 12 for k in (2, 4, 6, 8, 10, 12)]
+    report.finish()
+    assert calls[-2:] == [("image", "toy-r1-curves"), ("table", 12)]
