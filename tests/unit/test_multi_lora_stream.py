@@ -142,7 +142,8 @@ def test_custom_generate_gets_its_routes_engine_and_samples_get_the_version_stam
 def test_each_reader_has_its_own_cursor_and_the_slowest_live_one_holds_the_producer(multi):
     live = {"adapter-fast", "adapter-slow"}
     # one group per segment, so cursors count groups; capacity: 4 groups ahead of the slowest reader
-    h = multi(ScriptedEngine(), capacity=4, consumer=lambda: h.slowest(live))
+    # the producer's thread reads a copy (made under the GIL): the test discards from ``live`` meanwhile
+    h = multi(ScriptedEngine(), capacity=4, consumer=lambda: h.slowest(set(live)))
     h.start()
     h.wait_until(lambda: h.producer.stats.groups_written == 4)
     fast, slow = h.reader_feed("adapter-fast"), h.reader_feed("adapter-slow")
