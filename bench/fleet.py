@@ -55,13 +55,13 @@ def _cfg(shape: Shape, producers: int, root: str, opts: dict):
     from miles_core.config import RunConfig
 
     return RunConfig.model_validate({
-        "name": "bench-fleet", "mode": "fully_async",
+        "name": "bench-fleet",
         "rollout": {"rollout_batch_size": shape.batch, "n_samples_per_prompt": shape.n,
                     "rollout_max_response_len": shape.tokens},
-        "async_rollout": {"rollout_producers": producers, "max_concurrent_samples": shape.concurrency,
-                          "buffer_capacity_factor": shape.capacity_factor, "segment_max_groups": 8,
-                          "segment_max_wait_s": 0.2, "prompt_claim_size": 8, "producer_heartbeat_s": 0.5,
-                          "control_poll_s": 0.5},
+        "mode": {"type": "fully_async", "rollout_producers": producers, "max_concurrent_samples": shape.concurrency,
+                 "buffer_capacity_factor": shape.capacity_factor, "segment_max_groups": 8,
+                 "segment_max_wait_s": 0.2, "prompt_claim_size": 8, "producer_heartbeat_s": 0.5,
+                 "control_poll_s": 0.5},
         "storage": {"root": root, "storage_options": opts},
     })
 
@@ -133,9 +133,9 @@ def produce(cfg, refs, shape: Shape, producer: str, cancel: threading.Event) -> 
     layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts)
     stream = SampleStream(refs.run_dir, stream_name(producer), opts)
     prompts = ClaimedPrompts(PromptLog(refs.run_dir, opts, draw=draw), producer, render,
-                             cfg.async_rollout.prompt_claim_size)
+                             cfg.mode.prompt_claim_size)
     link = ProducerLink(ControlPlane(refs.run_dir, opts), Heartbeat(producer, "starting"),
-                        cfg.async_rollout.producer_heartbeat_s, cancel)
+                        cfg.mode.producer_heartbeat_s, cancel)
     loop = LoopThread(f"bench-{producer}")
     try:
         engine = ScriptedEngine(token_latency=shape.token_latency, default_tokens=shape.tokens)
@@ -173,8 +173,8 @@ def run_fleet(shape: Shape, producers: int, steps: int, warmup: int, s3) -> dict
     launcher = ProcessLauncher(cfg, refs, shape)
     fleet = Fleet(cfg, refs, launcher, SampleStream(refs.run_dir, "rollout", s3.storage_options), warn=print)
     capacity = max(1, round(shape.capacity_factor * shape.batch))
-    feed = GroupFeed(fleet.base_stream, DefaultDataBuffer(cfg.async_rollout, capacity=10 * capacity, first_version=0),
-                     cfg.async_rollout, streams=fleet.streams, producer_check=fleet.check, recycle=fleet.recycle,
+    feed = GroupFeed(fleet.base_stream, DefaultDataBuffer(cfg.mode, capacity=10 * capacity, first_version=0),
+                     cfg.mode, streams=fleet.streams, producer_check=fleet.check, recycle=fleet.recycle,
                      poll_s=0.01)
     fleet.start()
     waits, step_times, latencies, ahead = [], [], [], []

@@ -48,7 +48,10 @@ def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Nam
               if args.engine == "server" else {"type": "hf", "num_threads": 1})
     cfg = RunConfig.model_validate({
         "name": f"bench-{mode}",
-        "mode": mode,
+        # fully async: the producer is a process of its own, on the engine's core, off the trainer's
+        "mode": {"type": mode} if mode != "fully_async" else {
+            "type": mode, "max_concurrent_samples": args.batch * 8, "buffer_capacity_factor": args.capacity_factor,
+            "producer_cpu_affinity": [1] if args.engine == "server" else None},
         "seed": seed,
         "model": {"path": model_dir},
         "data": {"type": "toy"},
@@ -58,9 +61,6 @@ def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Nam
         "engine": engine,
         "eval": {"eval_interval": args.eval_every if eval_every is ... else eval_every, "num_prompts": 256,
                  "engine": args.eval_engine},
-        # fully async: the producer is a process of its own, on the engine's core, off the trainer's
-        "async_rollout": {"max_concurrent_samples": args.batch * 8, "buffer_capacity_factor": args.capacity_factor,
-                          "producer_cpu_affinity": [1] if args.engine == "server" else None},
         "storage": {"root": root},
     })
     t0 = time.perf_counter()

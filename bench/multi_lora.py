@@ -46,7 +46,6 @@ LORA = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "g
 def base_config(args: argparse.Namespace, model_dir: str, root: str, name: str) -> dict:
     return {
         "name": name,
-        "mode": "fully_async",
         "seed": args.seed,
         "model": {"path": model_dir},
         "data": {"type": "toy"},
@@ -56,8 +55,8 @@ def base_config(args: argparse.Namespace, model_dir: str, root: str, name: str) 
         "lora": LORA,
         "engine": {"type": "hf", "num_threads": 2},
         "eval": {"eval_interval": None, "num_prompts": 256, "skip_eval_before_train": True},
-        "async_rollout": {"max_concurrent_samples": args.batch * 8, "max_weight_staleness": 4,
-                          "dynamic_filters": ["nonzero_reward_std"]},
+        "mode": {"type": "fully_async", "max_concurrent_samples": args.batch * 8, "max_weight_staleness": 4,
+                 "dynamic_filters": ["nonzero_reward_std"]},
         "storage": {"root": root},
     }
 

@@ -168,7 +168,7 @@ def ours_child(spec_path: str) -> None:
               else {"type": "hf", "num_threads": 1})
     raw = {
         "name": f"peer-trl-{mode}",
-        "mode": mode,
+        "mode": {"type": mode, **({"producer_cpu_affinity": [1] if two_cores else None} if mode == "fully_async" else {})},
         "seed": spec["seed"],
         "model": {"path": spec["model"]},
         "data": {"type": "toy", "seed": spec["seed"]},
@@ -181,12 +181,11 @@ def ours_child(spec_path: str) -> None:
         # the run's own evaluations (before and after training, on a separate engine, as by default)
         # are outside the training clock; the table's accuracies come from evaluate() below
         "eval": {"eval_interval": None, "num_prompts": 64},
-        "async_rollout": {"producer_cpu_affinity": [1] if two_cores else None},
         "storage": {"root": str(Path(spec["out"]) / "runs")},
     }
     changes = dict(spec.get("changes", {}))
     if "update_weights_interval" in changes:
-        raw["async_rollout"]["update_weights_interval"] = changes.pop("update_weights_interval")
+        raw["mode"]["update_weights_interval"] = changes.pop("update_weights_interval")  # async mode's
     raw["train"].update(changes)  # use_tis, lr, adam_beta2
     cfg = RunConfig.model_validate(raw)
     summary = train(cfg)

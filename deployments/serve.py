@@ -28,7 +28,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from miles_core.config import RunConfig
+from miles_core.config import MODE_TABLES, RunConfig
 
 MODES = {"sync": "sync", "async": "async", "fully-async": "fully_async"}
 MULTI_LORA_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "multi-lora-toy.toml"
@@ -57,7 +57,8 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     cfg = absolute_paths(cfg, Path.cwd())
     out = []
     for name, mode in MODES.items():
-        default = cfg.model_copy(update={"mode": mode, "multi_lora": None})
+        table = cfg.mode if cfg.mode.type == mode else MODE_TABLES[mode]()  # the served mode's settings, or defaults
+        default = cfg.model_copy(update={"mode": table, "multi_lora": None})
         deployment = train.to_deployment(
             name=name, parameters={"cfg": default.model_dump(mode="json")}, tags=["train", mode],
             description=f"A training run in {mode} mode (the config form's defaults: `miles serve`'s config).",
@@ -103,9 +104,13 @@ def _fix_mode(deployment: Any, mode: str) -> None:
 
     schema = deployment._parameter_openapi_schema
     schema.definitions = copy.deepcopy(schema.definitions)
-    field = schema.definitions["RunConfig"]["properties"]["mode"]
-    field.update({"enum": [mode], "default": mode, "readOnly": True})
-    field["description"] = f"{field.get('description', '')} This deployment trains in {mode} mode only.".strip()
+    properties = schema.definitions["RunConfig"]["properties"]
+    union = properties["mode"]
+    variant = copy.deepcopy(schema.definitions[MODE_TABLES[mode].__name__])  # the mode's own table, inline
+    variant["properties"]["type"].update({"enum": [mode], "readOnly": True})
+    description = f"{variant.get('description', '')} This deployment trains in {mode} mode only.".strip()
+    properties["mode"] = {**variant, "position": union.get("position"), "title": union.get("title", "Mode"),
+                          "description": description}
 
 
 def absolute_paths(cfg: RunConfig, cwd: Path) -> RunConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from flows.credentials import with_block_credentials
-from miles_core.config import RunConfig
+from miles_core.config import RunConfig, mode_table
 from miles_core.run import RunRefs
 from tasks.slots import check_device_pool
 from tasks.train import prepare_run
@@ -55,12 +55,12 @@ def deployment_config(cfg: RunConfig) -> RunConfig:
             return cfg
         deployment = client.read_deployment(run.deployment_id)
     cfg = _merged(run, deployment.parameters.get("cfg"))
-    mode = (deployment.parameters.get("cfg") or {}).get("mode")
-    if mode is not None and mode != cfg.mode and cfg.multi_lora is None:
-        wanted = cfg.mode.replace("_", "-")
+    mode = (mode_table((deployment.parameters.get("cfg") or {}).get("mode")) or {}).get("type")
+    if mode is not None and mode != cfg.mode.type and cfg.multi_lora is None:
+        wanted = cfg.mode.type.replace("_", "-")
         raise ValueError(f"deployment {deployment.name!r} trains in mode {mode!r} (its runs are tagged so); this "
-                         f"run asks for mode {cfg.mode!r}: start it on the {wanted!r} deployment instead, or leave "
-                         f"mode as it is")
+                         f"run asks for mode {cfg.mode.type!r}: start it on the {wanted!r} deployment instead, or "
+                         f"leave mode as it is")
     return cfg
 
 

@@ -1,4 +1,4 @@
-"""The training flow: ``train(cfg)`` is one run, in the execution mode ``cfg.mode`` names.
+"""The training flow: ``train(cfg)`` is one run, in the execution mode ``cfg.mode.type`` names.
 
 - ``sync``: rollout k, train k, push weights k.
 - ``async``: rollout k+1 is submitted before train k (they overlap); weights are pushed every
@@ -111,9 +111,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                      start + 1, total)
         live = LiveReport(cfg.name, artifact_key(cfg.name, refs.run_id), total, start, session.history,
                           cfg.tracking.live_every_s)
-        steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode]
+        steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode.type]
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
-            if cfg.mode == "fully_async":  # the producers start (processes: seconds) while the start is evaluated
+            if cfg.mode.type == "fully_async":  # the producers start (processes: seconds) while the start is evaluated
                 launch_producers(cfg, refs)
             before = _before_training(cfg, refs, session, start, log)
             for step, row, r in steps(cfg, refs, session, start):
@@ -226,7 +226,7 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
     """Rollout k+1 is submitted before train k, so the two overlap. Weights are pushed (every
     ``update_weights_interval`` steps, and after the last) only once that rollout has finished:
     samples are at most ``update_weights_interval`` versions stale."""
-    total, interval = cfg.rollout.num_rollout, cfg.async_rollout.update_weights_interval
+    total, interval = cfg.rollout.num_rollout, cfg.mode.update_weights_interval
     if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
         _load_version(cfg, refs, session, _async_rollout_version(session, interval, start))
     c, q = quote(cfg), quote(refs)  # as in _sync_steps
@@ -260,7 +260,7 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
 
 
 def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, None]]:
-    """The run's rollout fleet (child processes, or flow runs of ``async_rollout.rollout_deployment``),
+    """The run's rollout fleet (child processes, or flow runs of ``mode.rollout_deployment``),
     started by ``launch-producers`` before the starting policy's evaluation, talks to the trainer
     only through the run folder; each ``train-k`` takes the next ``rollout_batch_size`` trainable
     groups from the producers' streams. Producers load new versions themselves; ``stop-producers``
@@ -364,7 +364,7 @@ def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str
         return next((e for e in session.history.eval_rows if e["step"] == 0), None)
     if cfg.eval.skip_eval_before_train:
         return None
-    if cfg.mode == "fully_async" and cfg.eval.engine == "separate":  # the trainer's process has no rollout engine
+    if cfg.mode.type == "fully_async" and cfg.eval.engine == "separate":  # the trainer's process has no rollout engine
         before = evaluate_version(cfg, refs, 0, 0)
     else:
         before = evaluate(cfg, refs, 0)

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from miles_core.config import EVAL_INHERITS, RunConfig
+from miles_core.config import EVAL_INHERITS, MODE_TABLES, RunConfig, mode_table, upgrade_mode
 
 # flag -> dotted path in RunConfig. Names follow Miles where Miles has the flag.
 FLAGS: dict[str, str] = {
@@ -51,7 +51,7 @@ FLAGS: dict[str, str] = {
     "--custom-reward-post-process-path": "rollout.reward_post_process_path",
     "--custom-generate-function-path": "rollout.custom_generate_function_path",
     "--rollout-function-path": "rollout.rollout_function_path",
-    "--custom-async-data-buffer-path": "async_rollout.custom_data_buffer_path",
+    "--custom-async-data-buffer-path": "mode.custom_data_buffer_path",
     "--global-batch-size": "train.global_batch_size",
     "--num-steps-per-rollout": "train.num_steps_per_rollout",
     "--micro-batch-size": "train.micro_batch_size",
@@ -93,21 +93,21 @@ FLAGS: dict[str, str] = {
     "--skip-eval-before-train": "eval.skip_eval_before_train",
     "--save-interval": "checkpoint.save_interval",
     "--keep-checkpoints": "checkpoint.keep_checkpoints",
-    "--mode": "mode",
-    "--update-weights-interval": "async_rollout.update_weights_interval",
-    "--async-max-concurrent-samples": "async_rollout.max_concurrent_samples",
-    "--async-submit-granularity": "async_rollout.submit_granularity",
-    "--async-data-buffer-capacity-factor": "async_rollout.buffer_capacity_factor",
-    "--max-weight-staleness": "async_rollout.max_weight_staleness",
-    "--rollout-producers": "async_rollout.rollout_producers",
-    "--rollout-deployment": "async_rollout.rollout_deployment",
-    "--producer-heartbeat-timeout": "async_rollout.producer_heartbeat_timeout_s",
-    "--producer-restarts": "async_rollout.producer_restarts",
-    "--async-unused-samples-handler": "async_rollout.unused_samples_handler",
-    "--dynamic-sampling-filters": "async_rollout.dynamic_filters",
-    "--partial-rollout": "async_rollout.partial_rollout",
-    "--no-progress-seconds": "async_rollout.no_progress_s",
-    "--generation-retries": "async_rollout.generation_retries",
+    "--mode": "mode.type",
+    "--update-weights-interval": "mode.update_weights_interval",
+    "--async-max-concurrent-samples": "mode.max_concurrent_samples",
+    "--async-submit-granularity": "mode.submit_granularity",
+    "--async-data-buffer-capacity-factor": "mode.buffer_capacity_factor",
+    "--max-weight-staleness": "mode.max_weight_staleness",
+    "--rollout-producers": "mode.rollout_producers",
+    "--rollout-deployment": "mode.rollout_deployment",
+    "--producer-heartbeat-timeout": "mode.producer_heartbeat_timeout_s",
+    "--producer-restarts": "mode.producer_restarts",
+    "--async-unused-samples-handler": "mode.unused_samples_handler",
+    "--dynamic-sampling-filters": "mode.dynamic_filters",
+    "--partial-rollout": "mode.partial_rollout",
+    "--no-progress-seconds": "mode.no_progress_s",
+    "--generation-retries": "mode.generation_retries",
     "--eval-engine": "eval.engine",
     "--eval-max-in-flight": "eval.max_in_flight",
     "--eval-overflow": "eval.overflow",
@@ -146,7 +146,7 @@ FLAGS: dict[str, str] = {
 }
 # Flags whose value maps to a fixed setting (Miles spellings of our options).
 SWITCHES: dict[str, tuple[str, Any]] = {
-    "--fully-async": ("mode", "fully_async"),
+    "--fully-async": ("mode.type", "fully_async"),
     "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
     "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
 }
@@ -199,7 +199,12 @@ def _add_flag(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
         conv = tp if tp in (int, float, str) else str
         if optional and conv is not str:
             conv = _optional(conv)
-        parser.add_argument(flag, dest=path, type=conv, default=argparse.SUPPRESS, help=help_text, metavar=path.split(".")[-1].upper())
+        choices = None
+        if path.endswith(".type"):  # a tagged union's member, by its tag: every member's
+            members = union_members(_field(path.rsplit(".", 1)[0]).annotation)
+            choices = [m.model_fields["type"].default for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        parser.add_argument(flag, dest=path, type=conv, default=argparse.SUPPRESS, help=help_text, choices=choices,
+                            metavar=path.split(".")[-1].upper() if choices is None else None)
 
 
 def _optional(conv):
@@ -312,8 +317,15 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     data: dict[str, Any] = RunConfig.read_toml(args.config) if args.config else {}  # as written: nothing derived yet
     top_level = {path for path in FLAGS.values() if "." not in path}
     overrides = {k: v for k, v in vars(args).items() if "." in k or k in top_level}
+    if "mode" in data:
+        data["mode"] = mode_table(data["mode"])
+    _switch_mode(data, overrides)  # before the mode's own flags, whatever their order
+    try:
+        data = upgrade_mode(data)  # an older [async_rollout] table into the run's mode
+    except ValueError as e:
+        raise ValueError(f"{args.config}: {e}") from None
     for key, value in overrides.items():
-        if key.startswith("switch:"):
+        if key.startswith("switch:") or key == "mode.type":
             continue
         if key == "train.kl_type":
             value = KL_ALIASES.get(value, value)
@@ -325,7 +337,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if "eval_prompt_data" in vars(args):  # after the training data's flags, whatever their order
         _set_eval_prompt_data(data, args.eval_prompt_data)
     for key, value in vars(args).items():
-        if key.startswith("switch:"):
+        if key.startswith("switch:") and key != "switch:mode.type":
             _set_path(data, key.removeprefix("switch:"), value)
     _apply_miles_flags(data, {k.removeprefix("miles:"): v for k, v in vars(args).items() if k.startswith("miles:")})
     for item in args.set:
@@ -339,6 +351,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         _set_path(data, path.strip(), value)
     _check_file_flags(data)
     _check_backend_flags(data)
+    _check_mode_flags(data, overrides)
     return RunConfig.model_validate_file_dict(data, source=args.config or "command line")
 
 
@@ -438,3 +451,34 @@ def _check_backend_flags(data: dict[str, Any]) -> None:
             f"{' / '.join(used)} configure the DeepSpeed trainer, but train.backend.type is "
             f"{backend.get('type', 'torch')!r}: add --train-backend deepspeed"
         )
+
+
+def _switch_mode(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """``--mode`` / ``--fully-async``: over a config of another mode, that mode's table starts afresh
+    (the other mode's settings do not apply to it); over the same mode, the file's settings stay."""
+    wanted = {overrides[k] for k in ("mode.type", "switch:mode.type") if k in overrides}
+    if len(wanted) > 1:
+        raise SystemExit(f"--mode {overrides['mode.type']} and --fully-async disagree: give one of them")
+    if wanted:
+        kind = wanted.pop()
+        multi = data.get("multi_lora") is not None or any(k.startswith("multi_lora.") for k in overrides)
+        if multi and kind != "fully_async":
+            raise SystemExit(f"--mode {kind}: a multi-LoRA run is always fully async (leave --mode out)")
+        if (data.get("mode") or {}).get("type", "sync") != kind:
+            data["mode"] = {"type": kind}
+
+
+def _check_mode_flags(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """A flag of another mode's settings (``--update-weights-interval`` in fully-async mode, ...) is
+    an error naming the flag and the mode it belongs to, not pydantic's "extra input"."""
+    kind = (mode_table(data.get("mode")) or {}).get("type", "sync")
+    own = MODE_TABLES[kind].model_fields if kind in MODE_TABLES else {}
+    flag_of = {path: flag for flag, path in FLAGS.items()}
+    for key in overrides:
+        field = key.removeprefix("mode.")
+        if key.startswith("mode.") and field not in own:
+            owner = next((k for k, m in MODE_TABLES.items() if field in m.model_fields), "?")
+            switch = "--fully-async" if owner == "fully_async" else f"--mode {owner}"
+            raise SystemExit(f"{flag_of.get(key, key)} is a setting of {owner} mode, but this run's mode is "
+                             f"{kind!r}: add {switch}")
+

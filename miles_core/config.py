@@ -8,6 +8,8 @@ Parts:
   model, built once and cached by the hash of its recipe).
 - ``DataConfig``: a tagged union, ``FileDataConfig`` (JSONL / Parquet over fsspec) or
   ``ToyDataConfig`` (the synthetic addition task).
+- ``ModeConfig``: a tagged union of execution modes, each with its own settings: ``SyncMode``,
+  ``AsyncMode`` (how often weights are pushed), ``FullyAsyncMode`` (producers, buffer, staleness).
 - ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
 - ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process) or
   ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches).
@@ -269,28 +271,56 @@ class RolloutConfig(_Base):
     replaces the whole generate-and-score step of sync and async modes; the groups must be scored."""
 
 
-class AsyncConfig(_Base):
-    """Async and fully-async execution (``RunConfig.mode``): how generation runs ahead of training."""
+class _Mode(_Base):
+    """An execution mode's table (``RunConfig.mode``). Compared with a name it raises: ``cfg.mode ==
+    "sync"`` (the spelling before the modes held their settings) would be silently False."""
 
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            raise TypeError(f"cfg.mode is a table: compare cfg.mode.type with {other!r}")
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class SyncMode(_Mode):
+    """``sync``: rollout k, then train k, then push weights k."""
+
+    type: Literal["sync"] = "sync"
+    """Execution mode: ``sync``, ``async`` or ``fully_async``, each with its own settings."""
+
+
+class AsyncMode(_Mode):
+    """``async``: rollout k+1 runs while train k does (one step ahead)."""
+
+    type: Literal["async"] = "async"
+    """Execution mode: ``sync``, ``async`` or ``fully_async``, each with its own settings."""
     update_weights_interval: int = Field(default=1, ge=1)
-    """async: push weights to the engine every N training steps (samples are at most N versions
-    stale)."""
+    """Push weights to the engine every N training steps (samples are at most N versions stale)."""
+
+
+class FullyAsyncMode(_Mode):
+    """``fully_async``: producers generate for the whole run into the sample stream and the trainer
+    consumes from it: how generation runs ahead of training. Multi-LoRA runs are always in this mode."""
+
+    type: Literal["fully_async"] = "fully_async"
+    """Execution mode: ``sync``, ``async`` or ``fully_async``, each with its own settings."""
     max_concurrent_samples: int = Field(default=256, ge=1)
-    """fully_async: samples in flight in the engine at once (Miles ``--async-max-concurrent-samples``)."""
+    """Samples in flight in the engine at once (Miles ``--async-max-concurrent-samples``)."""
     submit_granularity: Literal["group", "sample"] = "group"
-    """fully_async: submit whole groups, or single samples so that a finished sample's slot is
+    """Submit whole groups, or single samples so that a finished sample's slot is
     refilled at once (backfill)."""
     buffer_capacity_factor: float = Field(default=2.0, ge=1.0)
-    """fully_async: the producer is at most this many rollout batches ahead of the trainer (groups
+    """The producer is at most this many rollout batches ahead of the trainer (groups
     in flight, finished, or written but not yet trained on); beyond it, it waits (back-pressure).
     At least 1, or the trainer could never gather a batch."""
     max_weight_staleness: int | None = Field(default=None, ge=0)
-    """fully_async: a group whose oldest span lags the trainer's version by more than this is not
+    """A group whose oldest span lags the trainer's version by more than this is not
     trained on (None: no limit). Nothing is stale before the trainer's first update in the run."""
     unused_samples_handler: Literal["drop", "retry"] = "drop"
     """What happens to stale or aborted groups: counted and dropped, or their prompts regenerated."""
     custom_data_buffer_path: str | None = None
-    """``"module:Class"`` of the trainer's buffer, built as ``Class(cfg: AsyncConfig, capacity: int)``
+    """``"module:Class"`` of the trainer's buffer, built as ``Class(cfg: FullyAsyncMode, capacity: int)``
     with ``put(groups)``, ``take(n, trainer_version) -> Taken`` and ``len()``; see
     ``miles_core.rollout.buffer.DataBuffer``."""
     dynamic_filters: list[str] = Field(default_factory=list)
@@ -300,7 +330,7 @@ class AsyncConfig(_Base):
     """On a weight update, abort in-flight requests and continue them under the new weights (each
     span stamped with its version); on stop, save unfinished trajectories for the next producer."""
     segment_max_groups: int = Field(default=8, ge=1)
-    """fully_async: the producer writes a segment once this many groups are finished..."""
+    """The producer writes a segment once this many groups are finished..."""
     segment_max_wait_s: float = Field(default=0.5, gt=0)
     """...or once the oldest unwritten group has waited this long."""
     no_progress_s: float = Field(default=30.0, gt=0)
@@ -308,37 +338,101 @@ class AsyncConfig(_Base):
     generation_retries: int = Field(default=2, ge=0)
     """Retries of a failed generate call before its samples are marked failed (and counted)."""
     read_ahead: bool = False
-    """fully_async: the trainer reads and decodes new segments in a background thread while it
+    """The trainer reads and decodes new segments in a background thread while it
     trains. Helps when training runs on a GPU and the CPU is free; on a CPU-bound trainer it takes
     the same core (measured here: train step 0.73 s -> 0.98 s), hence off by default."""
     weight_poll_s: float = Field(default=0.2, gt=0)
-    """fully_async: how often the producer looks for a newer weight version."""
+    """How often the producer looks for a newer weight version."""
     rollout_producers: int = Field(default=1, ge=1)
-    """fully_async: rollout producers the run launches, each with its own engine, talking to the
+    """Rollout producers the run launches, each with its own engine, talking to the
     trainer only through the run folder (Miles-style ``--rollout-producers``)."""
     rollout_deployment: str | None = None
-    """fully_async: launch each producer as a flow run of this deployment (e.g. ``rollout/fleet``, on
+    """Launch each producer as a flow run of this deployment (e.g. ``rollout/fleet``, on
     an inference work pool): children of the training run. None: a subprocess of the trainer's
     process on this machine."""
     producer_cpu_affinity: list[NonNegativeInt] | None = None
-    """fully_async, producers in child processes: the CPU cores they are pinned to (None: those of
+    """Producers in child processes: the CPU cores they are pinned to (None: those of
     the trainer's process), so the producers' Python work stays off the trainer's cores."""
     producer_heartbeat_s: float = Field(default=1.0, gt=0)
-    """fully_async: how often each producer rewrites its heartbeat in the run folder."""
+    """How often each producer rewrites its heartbeat in the run folder."""
     producer_heartbeat_timeout_s: float = Field(default=10.0, gt=0)
-    """fully_async: a producer whose heartbeat has not changed for this long is dead: its unwritten
+    """A producer whose heartbeat has not changed for this long is dead: its unwritten
     prompts go back to the pool and a replacement is launched (``--producer-heartbeat-timeout``)."""
     producer_start_timeout_s: float = Field(default=300.0, gt=0)
-    """fully_async: how long a launched producer may take to write its first heartbeat (a flow run
+    """How long a launched producer may take to write its first heartbeat (a flow run
     waiting for a worker, an engine loading)."""
     producer_restarts: int = Field(default=3, ge=0)
-    """fully_async: replacements launched for dead producers over the run; one more death fails the
+    """Replacements launched for dead producers over the run; one more death fails the
     run, naming the producer and its last error (``--producer-restarts``)."""
     prompt_claim_size: int = Field(default=8, ge=1, lt=65536)
-    """fully_async: prompts a producer claims from the run's prompt log at a time (what a dead
+    """Prompts a producer claims from the run's prompt log at a time (what a dead
     producer can leave unwritten, to be generated again by another)."""
     control_poll_s: float = Field(default=0.25, gt=0)
-    """fully_async: how often a producer looks at the run's stop, pause and fence objects."""
+    """How often a producer looks at the run's stop, pause and fence objects."""
+
+
+AsyncConfig = FullyAsyncMode
+"""The older name of ``FullyAsyncMode`` (custom data buffers' ``cfg`` type), kept for their imports."""
+
+ModeConfig = Annotated[Union[SyncMode, AsyncMode, FullyAsyncMode], Field(discriminator="type")]
+MODE_TABLES: dict[str, type[_Mode]] = {"sync": SyncMode, "async": AsyncMode, "fully_async": FullyAsyncMode}
+
+
+def mode_table(raw: Any) -> Any:
+    """``mode = "sync"`` (the short spelling: that mode with its defaults) as a table; anything else as given."""
+    return {"type": raw} if isinstance(raw, str) else raw
+
+
+def upgrade_mode(raw: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
+    """A raw config in today's shape: ``mode`` a table, and an ``[async_rollout]`` table (the older
+    spelling, every mode's settings in one table) moved into it. A multi-LoRA config is fully async.
+    A setting of ``[async_rollout]`` that the run's mode does not have is an error (``strict``; it
+    had no effect) unless it is at its default, or ``strict`` is off (a stored run's config, where
+    it did nothing in that run)."""
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    if "mode" in out:
+        out["mode"] = mode_table(out["mode"])
+    legacy = out.pop("async_rollout", None)
+    mode = out.get("mode", {"type": "sync"})
+    if isinstance(mode, BaseModel) and legacy is None:
+        return out  # a table already (an assignment validates the run's fields as they are: left so)
+    if isinstance(mode, BaseModel):
+        mode = mode.model_dump()
+    if not isinstance(mode, dict):
+        return out  # pydantic says what is wrong with it
+    mode = dict(mode)
+    if out.get("multi_lora") is not None and mode.get("type") != "fully_async":
+        others = sorted(set(mode) - {"type"})
+        if others:
+            raise ValueError(f"a multi-LoRA run is fully async: mode.{others[0]} (of mode {mode.get('type')!r}) does "
+                             "not apply; set mode = 'fully_async' or leave mode out")
+        mode["type"] = "fully_async"
+    if isinstance(legacy, dict):
+        kind = mode.get("type", "sync")
+        for key, value in legacy.items():
+            owner = next((k for k, m in MODE_TABLES.items() if key in m.model_fields and key != "type"), None)
+            if owner is None:
+                raise ValueError(f"async_rollout.{key}: no such setting in any mode (async has "
+                                 f"{', '.join(_settings('async'))}; fully_async: {', '.join(_settings('fully_async'))})")
+            if owner == kind:
+                mode.setdefault(key, value)
+            elif strict and value != MODE_TABLES[owner].model_fields[key].get_default(call_default_factory=True):
+                raise ValueError(
+                    f"async_rollout.{key} = {value!r} is a setting of mode {owner!r}, but this run's mode is {kind!r}, "
+                    f"where it does nothing: remove it, or set mode = {owner!r} ([async_rollout] is the older "
+                    f"spelling of the [mode] table: [mode] type = {owner!r}, {key} = ...)")
+    elif legacy is not None:
+        raise ValueError(f"async_rollout: expected a table, got {legacy!r}")
+    if legacy is not None or "mode" in out or mode.get("type") != "sync":
+        out["mode"] = mode
+    return out
+
+
+def _settings(kind: str) -> list[str]:
+    return [k for k in MODE_TABLES[kind].model_fields if k != "type"]
+
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -1173,10 +1267,12 @@ class RunConfig(_Base):
     # the order of the UI's form: what a run is, then the rest
     name: str = "toy-addition"
     """Run name; the run folder is ``<storage.root>/<name>/<run_id>``."""
-    mode: Literal["sync", "async", "fully_async"] = "sync"
-    """Execution mode. ``sync``: rollout k, then train k, then push weights k. ``async``: rollout
-    k+1 runs while train k does (one step ahead). ``fully_async``: a producer generates for the
-    whole run into the sample stream and the trainer consumes from it."""
+    mode: ModeConfig = Field(default_factory=SyncMode)
+    """Execution mode and its own settings, by ``type``: ``sync`` (rollout k, then train k, then push
+    weights k), ``async`` (rollout k+1 runs while train k does) or ``fully_async`` (producers
+    generate for the whole run into the sample stream and the trainer consumes from it). In TOML
+    ``mode = "async"`` is that mode with its defaults; ``[mode]`` with ``type = "..."`` sets its
+    fields too."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=ToyDataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -1186,15 +1282,14 @@ class RunConfig(_Base):
     """Run id (None: a fresh timestamped id). An existing run with a checkpoint resumes from it."""
     seed: int = Field(default=0, ge=0)
     """Seed of prompt order and sampling."""
-    async_rollout: AsyncConfig = Field(default_factory=AsyncConfig)
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of the full policy (None: full fine-tuning)."""
     multi_lora: MultiLoraConfig | None = None
     """Train several LoRA adapters over one rollout stream (``miles train-multi-lora``; None: one policy).
-    Such a run is always fully async (``mode`` does not apply); ``checkpoint.save_interval`` saves
-    each adapter (its trainer and its cursors) under ``adapters/<name>/checkpoints``, and the same
-    run id resumes every adapter from its own."""
+    Such a run is always fully async (a ``mode`` given as a name becomes ``fully_async``);
+    ``checkpoint.save_interval`` saves each adapter (its trainer and its cursors) under
+    ``adapters/<name>/checkpoints``, and the same run id resumes every adapter from its own."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -1203,10 +1298,18 @@ class RunConfig(_Base):
     @model_validator(mode="before")
     @classmethod
     def _dotted_keys(cls, data: Any) -> Any:
-        """``{"rollout.num_rollout": 6}`` is ``{"rollout": {"num_rollout": 6}}`` (deployment parameters, the API)."""
+        """``{"rollout.num_rollout": 6}`` is ``{"rollout": {"num_rollout": 6}}`` (deployment parameters,
+        the API); ``mode = "sync"`` is ``[mode] type = "sync"``, an older ``[async_rollout]`` table moves
+        into ``mode`` (``upgrade_mode``)."""
         if isinstance(data, dict) and any(isinstance(k, str) and "." in k for k in data):
-            return expand_dotted(data)
-        return data
+            data = expand_dotted(data)
+        return upgrade_mode(data)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode_name(cls, value: Any) -> Any:
+        """``cfg.mode = "async"``: that mode with its defaults."""
+        return mode_table(value)
 
     @model_validator(mode="after")
     def _check_batches(self) -> RunConfig:
@@ -1220,9 +1323,9 @@ class RunConfig(_Base):
         if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
             raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
         self.train.minibatch_sizes(samples)  # global_batch_size and num_steps_per_rollout agree
-        if self.async_rollout.partial_rollout and self.rollout.custom_generate_function_path:
+        if getattr(self.mode, "partial_rollout", False) and self.rollout.custom_generate_function_path:
             raise ValueError(
-                "async_rollout.partial_rollout cannot continue samples of a custom generate function "
+                "mode.partial_rollout cannot continue samples of a custom generate function "
                 "(rollout.custom_generate_function_path); turn one of them off"
             )
         if self.multi_lora is not None:
@@ -1232,7 +1335,7 @@ class RunConfig(_Base):
                 f"eval.engine = 'separate' needs an evaluation engine of its own, but the rollout engine is the "
                 f"server at {self.engine.url}: set eval.engine_config (e.g. another server's url) or eval.engine = 'shared'"
             )
-        if self.mode == "fully_async" and self.rollout.rollout_function_path:
+        if self.mode.type == "fully_async" and self.rollout.rollout_function_path:
             raise ValueError(
                 "rollout.rollout_function_path replaces the rollout step of sync and async modes; in "
                 "fully_async mode use rollout.custom_generate_function_path (per sample) instead"
@@ -1251,9 +1354,11 @@ class RunConfig(_Base):
             raise ValueError("multi_lora runs generate with the fully-async producer: rollout.rollout_function_path "
                              "does not apply (use rollout.custom_generate_function_path)")
         ml = self.multi_lora
-        if ml.rollout_source == "shared" and len(ml.names) > 1 and self.async_rollout.unused_samples_handler == "retry":
+        if self.mode.type != "fully_async":
+            raise ValueError(f"a multi-LoRA run is fully async, but mode is {self.mode.type!r}: set mode = 'fully_async'")
+        if ml.rollout_source == "shared" and len(ml.names) > 1 and self.mode.unused_samples_handler == "retry":
             raise ValueError(
-                "async_rollout.unused_samples_handler = 'retry' does not apply to shared multi-LoRA rollouts: a group "
+                "mode.unused_samples_handler = 'retry' does not apply to shared multi-LoRA rollouts: a group "
                 "one adapter rejects as stale would be generated again for every adapter, and the others, which "
                 "trained it, would train its prompt twice; use 'drop' (the default) or rollout_source = 'per_adapter'"
             )
@@ -1266,7 +1371,7 @@ class RunConfig(_Base):
         ``rollout.rollout_max_response_len``."""
         update: dict[str, Any] = {}
         if self.train.use_tis is None:
-            update["use_tis"] = self.mode != "sync" and self.train.old_logprobs == "recompute"
+            update["use_tis"] = self.mode.type != "sync" and self.train.old_logprobs == "recompute"
         if isinstance(self.train.loss, DrGRPOLossConfig) and self.train.loss.max_len is None:
             update["loss"] = self.train.loss.model_copy(update={"max_len": self.rollout.rollout_max_response_len})
         if self.train.lr_decay_steps is None and self.train.lr_decay_style != "constant":
@@ -1282,7 +1387,7 @@ class RunConfig(_Base):
 
         assert self.multi_lora is not None and self.lora is not None
         base = self.model_dump()
-        base.update(mode="fully_async", multi_lora=None)
+        base["multi_lora"] = None  # its mode is fully async already
         # the multi-LoRA run saves and resumes each adapter itself (flows/multi_lora.py)
         base["checkpoint"] = {**base["checkpoint"], "save_interval": None}
         configs = {}

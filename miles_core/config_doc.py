@@ -39,7 +39,7 @@ def _flags_by_path() -> dict[str, list[str]]:
 def _section(model: type[BaseModel], prefix: str, flags: dict[str, list[str]], lines: list[str]) -> list[tuple]:
     nested = []
     title = prefix.rstrip(".") or "run"
-    lines += ["", f"### `{title}` ({model.__name__})", "", (model.__doc__ or "").strip().split("\n\n")[0], "",
+    lines += ["", f"### `{title}` ({model.__name__})", "", " ".join((model.__doc__ or "").strip().split("\n\n")[0].split()), "",
               "| field | type | default | flag | description |", "|---|---|---|---|---|"]
     for name, info in model.model_fields.items():
         path = prefix + name

@@ -155,7 +155,7 @@ class MultiLoraRun:
             raise ValueError("MultiLoraRun needs a config with multi_lora")
         self.cfg, self.refs = cfg, refs
         self.names = cfg.multi_lora.names
-        base = cfg.model_copy(update={"lora": None, "mode": "fully_async"})  # the base model: no adapter of its own
+        base = cfg.model_copy(update={"lora": None})  # the base model: no adapter of its own (its mode is fully async)
         self.files, self.loop = RunFiles.open(base, refs), EngineLoop()
         self.rollouts = RolloutSide(base, refs, self.files, self.loop)
         self.trackers = open_trackers(cfg, refs.run_id, refs.run_dir)  # one for the run: adapters under <name>/
@@ -266,7 +266,7 @@ class MultiLoraRun:
             routes = [PolicyRoute(ml.lead_adapter, self.adapters[ml.lead_adapter].engine)]
         else:
             routes = [PolicyRoute(None, self.rollouts.engine)]
-        a, batch = self.cfg.async_rollout, self.cfg.rollout.rollout_batch_size
+        a, batch = self.cfg.mode, self.cfg.rollout.rollout_batch_size
         if ml.rollout_source == "per_adapter":
             # an adapter's batch is spread over about N * batch groups of the stream (plus a partly
             # used segment per adapter): below that the slowest adapter could never fill its batch

@@ -136,7 +136,7 @@ class RunSession:
     def save_checkpoint(self, step: int, source_state: dict[str, Any] | None) -> str:
         """Save the run after ``step`` steps (see ``Checkpointer.save``; a fully-async run keeps its
         feed's cursors, ``source_state`` None); returns the folder."""
-        feed = self.training.feed_state() if self.cfg.mode == "fully_async" else None
+        feed = self.training.feed_state() if self.cfg.mode.type == "fully_async" else None
         return self.checkpoints.save(step, self.training.trainer, source_state, feed)
 
     def resume(self) -> int | None:
@@ -145,7 +145,7 @@ class RunSession:
         rollout. A rollout side already built takes the checkpoint's prompt cursor and weights
         (else it reads them when built)."""
         restored = self.checkpoints.restore(self.training.trainer, self.history)
-        if self.cfg.mode == "fully_async":  # the streams' cursors go back with the trainer
+        if self.cfg.mode.type == "fully_async":  # the streams' cursors go back with the trainer
             self.training.restore_feed((restored[1] if restored else {}).get("feed") or FRESH_FEED)
         if restored is None:
             if is_built(self.rollouts, "source"):  # it read the prompt cursor of a first step that never finished
@@ -162,7 +162,7 @@ class RunSession:
     # -- fully async: a fleet of producers, a trainer that consumes
 
     def start_fleet(self, launcher, warn=print):
-        """Launch the run's rollout producers (``async_rollout.rollout_producers``) with ``launcher``;
+        """Launch the run's rollout producers (``mode.rollout_producers``) with ``launcher``;
         the trainer's feed reads their streams from then on."""
         from miles_core.rollout.supervisor import Fleet
 

@@ -186,7 +186,7 @@ class MlflowTracker:
             self.client.update_run(self.run_id, status="RUNNING")
         else:
             run = self.client.create_run(experiment_id, run_name=t.mlflow_run_name or f"{cfg.name}-{run_id}",
-                                         tags={"miles.run_id": run_id, "miles.name": cfg.name, "miles.mode": cfg.mode})
+                                         tags={"miles.run_id": run_id, "miles.name": cfg.name, "miles.mode": cfg.mode.type})
             self.run_id = run.info.run_id
             self._log_params(cfg)
 

@@ -2,7 +2,7 @@
 flow runs of a deployment.
 
 - ``launch-producers``: start the run's producers: child processes of this one (the laptop
-  default), or, with ``async_rollout.rollout_deployment`` (e.g. ``rollout/fleet``), flow runs of
+  default), or, with ``mode.rollout_deployment`` (e.g. ``rollout/fleet``), flow runs of
   that deployment on whatever work pool it is on: children of the training run in the UI, each with
   its own logs, engine and producer id.
 - ``stop-producers``: ask them to stop through the run folder, wait, then make sure.
@@ -115,7 +115,7 @@ def launch_producers(cfg: RunConfig, refs: RunRefs) -> list[str]:
     from miles_core.rollout.worker import SubprocessLauncher
 
     log = get_run_logger()
-    a = cfg.async_rollout
+    a = cfg.mode
     if a.rollout_deployment is not None:
         launcher = DeploymentLauncher(a.rollout_deployment, cfg, refs, log=log.info)
     else:

@@ -51,7 +51,7 @@ def _hold(pool: str | None, occupy: int) -> Iterator[None]:
 
 def holds_run_slots(cfg: RunConfig) -> bool:
     """Whether the run takes its rollout and training slots once, for its whole length."""
-    return cfg.mode == "fully_async" or cfg.multi_lora is not None
+    return cfg.mode.type == "fully_async"  # multi-LoRA runs included: they are always fully async
 
 
 def _separate_eval(cfg: RunConfig) -> bool:

@@ -25,7 +25,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from miles_core.config import EVAL_INHERITS, REDACTED, EvalDatasetConfig, RunConfig, dataset_tables
+from miles_core.config import EVAL_INHERITS, REDACTED, EvalDatasetConfig, RunConfig, dataset_tables, upgrade_mode
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
 from miles_core.session.parts import EngineLoop, RunFiles, setup_tokenizer
@@ -124,7 +124,7 @@ def _config_json(run_dir: str, storage_options: dict[str, Any] | None) -> dict[s
     raw = RunLayout(*_split(run_dir), storage_options).read_json("config.json")
     if raw is None:
         raise FileNotFoundError(f"{run_dir}: no config.json (is it the folder of a training run?)")
-    return raw
+    return upgrade_mode(raw, strict=False)  # a run's settings of another mode did nothing in it
 
 
 def with_eval_datasets(cfg: RunConfig, datasets: list[EvalDatasetConfig | dict[str, Any]]) -> RunConfig:

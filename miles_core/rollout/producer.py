@@ -262,7 +262,7 @@ class RolloutProducer:
         state_file: str = STATE_FILE,
         partial_stream: str = PARTIAL_PRODUCER,
     ) -> None:
-        self.cfg, self.acfg = cfg, cfg.async_rollout
+        self.cfg, self.acfg = cfg, cfg.mode
         self.engine = engine
         """The shared engine: ``abort`` and ``pause`` go to it (every route's engine is a view of it)."""
         self.routes = list(routes) if routes is not None else [PolicyRoute(None, engine)]

@@ -61,7 +61,7 @@ class Launcher(Protocol):
 class Fleet:
     def __init__(self, cfg: RunConfig, refs: RunRefs, launcher: Launcher, base_stream: SampleStream,
                  warn=print) -> None:
-        a = cfg.async_rollout
+        a = cfg.mode
         opts = cfg.storage.storage_options
         self.cfg, self.refs, self.launcher, self.warn = cfg, refs, launcher, warn
         self.base_stream = base_stream
@@ -90,7 +90,7 @@ class Fleet:
         known = [int(p[1:]) for p in earlier if p[:1] == "p" and p[1:].isdigit()]
         self._next = max(known, default=-1) + 1  # a run started again never reuses a producer's stream
         self._settle_earlier(earlier)
-        for _ in range(self.cfg.async_rollout.rollout_producers):
+        for _ in range(self.cfg.mode.rollout_producers):
             self._launch()
         self._watching.set()
         threading.Thread(target=self._watch, name="fleet-monitor", daemon=True).start()
@@ -148,7 +148,7 @@ class Fleet:
             text = self.monitor.describe(w)
             if self.restarts_left <= 0:
                 self.launcher.abandon(w.producer, w.dead or "declared dead")
-                limit = self.cfg.async_rollout.producer_restarts
+                limit = self.cfg.mode.producer_restarts
                 raise ProducerFailed(f"{text}\n(no restart left: --producer-restarts {limit} used up)")
             self.restarts_left -= 1
             self.launcher.abandon(w.producer, w.dead or "declared dead")

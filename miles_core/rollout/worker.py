@@ -159,7 +159,7 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
     from miles_core.session.parts import EngineLoop, RunFiles
     from miles_core.session.rollouts import RolloutSide
 
-    a = cfg.async_rollout
+    a = cfg.mode
     opts = cfg.storage.storage_options
     files, loop = RunFiles.open(cfg, refs), EngineLoop()
     control = ControlPlane(refs.run_dir, opts, retry=files.layout.retry)
@@ -237,7 +237,7 @@ class SubprocessLauncher:
                "--run-id", self.refs.run_id, "--run-dir", self.refs.run_dir, "--model-dir", self.refs.model_dir,
                "--parent-pid", str(os.getpid())]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True)
-        cores = self.cfg.async_rollout.producer_cpu_affinity
+        cores = self.cfg.mode.producer_cpu_affinity
         if cores and hasattr(os, "sched_setaffinity"):  # before it has imported anything heavy
             os.sched_setaffinity(proc.pid, cores)
         from miles_core.config import WITH_SECRETS

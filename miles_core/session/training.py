@@ -151,7 +151,7 @@ class TrainerSide:
             from miles_core.rollout.buffer import make_buffer
             from miles_core.rollout.consumer import GroupFeed
 
-            a = self.cfg.async_rollout
+            a = self.cfg.mode
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
             kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}

@@ -75,7 +75,7 @@ def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backe
                    engine={"type": "hf", "num_threads": 1},
                    train={"use_tis": True},
                    eval={"eval_interval": None},
-                   async_rollout={"rollout_producers": 2, "producer_heartbeat_timeout_s": 4,
+                   mode={"rollout_producers": 2, "producer_heartbeat_timeout_s": 4,
                                   "max_concurrent_samples": 64, "max_weight_staleness": 4})
     run_dir = tmp_path / "runs" / cfg.name / "fleet-kill"
     killed: dict[str, int] = {}
@@ -133,7 +133,7 @@ def test_a_producer_that_keeps_failing_fails_the_run_naming_it_and_its_error(pre
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", rollout={"reward_post_process_path": "test_modes:explode"},
                    eval={"eval_interval": None, "skip_eval_before_train": True},
-                   async_rollout={"producer_restarts": 1})
+                   mode={"producer_restarts": 1})
     t0 = time.monotonic()
     state = train(cfg, return_state=True)
     assert state.is_failed()

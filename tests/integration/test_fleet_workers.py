@@ -66,14 +66,14 @@ def _cfg(s3, model_dir: str, name: str, **rollout):
 
     bucket = s3.make_bucket(f"fleet-{name}")
     return RunConfig.model_validate({
-        "name": name, "mode": "fully_async", "model": {"path": str(Path(model_dir).resolve())},
+        "name": name, "model": {"path": str(Path(model_dir).resolve())},
         "data": {"type": "toy"},
         "rollout": {"num_rollout": 14, "rollout_batch_size": 16, "n_samples_per_prompt": 8,
                     "rollout_max_response_len": 6, **rollout},
         "train": {"lr": 1e-4, "micro_batch_size": 64, "use_tis": True},
         "engine": {"type": "hf", "num_threads": 1},
         "eval": {"eval_interval": None, "num_prompts": 256},
-        "async_rollout": {"rollout_producers": 2, "rollout_deployment": "rollout/fleet", "max_weight_staleness": 4,
+        "mode": {"type": "fully_async", "rollout_producers": 2, "rollout_deployment": "rollout/fleet", "max_weight_staleness": 4,
                           "producer_heartbeat_timeout_s": 5, "max_concurrent_samples": 64},
         "storage": {"root": bucket, "storage_options": s3.storage_options},
     })

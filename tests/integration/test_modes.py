@@ -21,7 +21,7 @@ def _run_cfg(tmp_path: Path, model_dir: str, mode: str, **overrides):
 
     raw = {
         "name": f"mode-{mode}",
-        "mode": mode,
+        "mode": {"type": mode},
         "model": {"path": model_dir},
         "data": {"type": "toy"},
         "rollout": {"num_rollout": 12, "rollout_batch_size": 32, "n_samples_per_prompt": 8,
@@ -58,7 +58,7 @@ def test_async_mode_update_interval_bounds_staleness(prefect_backend, demo_model
     from flows.train import train
 
     cfg = _run_cfg(tmp_path, demo_model, "async", rollout={"num_rollout": 6},
-                   async_rollout={"update_weights_interval": 2}, eval={"eval_interval": None})
+                   mode={"update_weights_interval": 2}, eval={"eval_interval": None})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     rows = _rows(state.result()["run_dir"], "metrics.jsonl")
@@ -71,7 +71,7 @@ def test_fully_async_mode_trains_from_the_stream_and_stops_cleanly(prefect_backe
     from miles_core.storage import SampleStream
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async",
-                   async_rollout={"max_weight_staleness": 4, "max_concurrent_samples": 128})
+                   mode={"max_weight_staleness": 4, "max_concurrent_samples": 128})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -108,7 +108,7 @@ def test_fully_async_producer_failure_fails_the_run_with_its_error(prefect_backe
     from flows.train import train
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", rollout={"reward_post_process_path": f"{__name__}:explode"},
-                   eval={"eval_interval": None}, async_rollout={"no_progress_s": 1})
+                   eval={"eval_interval": None}, mode={"no_progress_s": 1})
     cfg.eval.skip_eval_before_train = True
     state = train(cfg, return_state=True)
     assert state.is_failed()

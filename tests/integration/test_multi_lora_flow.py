@@ -40,7 +40,7 @@ def test_four_adapters_share_one_rollout_stream_and_the_sensible_ones_improve(pr
     lrs = {"lr-3e-3": 3e-3, "lr-2e-3": 2e-3, "lr-1e-3": 1e-3, "lr-1e-6": 1e-6}
     adapters = [{"name": name, "train": {"lr": lr}} for name, lr in lrs.items()]
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, multi_lora={"adapters": adapters},
-                   async_rollout={"max_weight_staleness": 4, "max_concurrent_samples": 128})
+                   mode={"max_weight_staleness": 4, "max_concurrent_samples": 128})
     state = train_multi_lora(cfg, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -88,7 +88,7 @@ def test_per_adapter_rollouts_and_a_broken_adapter_fails_alone(prefect_backend, 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, rollout={"num_rollout": 6},
                    eval={"eval_interval": None, "num_prompts": 64}, checkpoint={"save_interval": 3},
                    multi_lora={"adapters": adapters, "rollout_source": "per_adapter"},
-                   async_rollout={"max_weight_staleness": 2, "max_concurrent_samples": 128})
+                   mode={"max_weight_staleness": 2, "max_concurrent_samples": 128})
     state = train_multi_lora(cfg, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -142,7 +142,7 @@ def test_a_dead_producer_fails_the_run_with_its_own_error(prefect_backend, demo_
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, multi_lora={"n_adapters": 2},
                    rollout={"num_rollout": 3, "reward_post_process_path": "test_modes:explode"},
                    eval={"eval_interval": None, "skip_eval_before_train": True},
-                   async_rollout={"no_progress_s": 1})
+                   mode={"no_progress_s": 1})
     state = train_multi_lora(cfg, return_state=True)
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="reward post-process exploded"):

@@ -160,7 +160,7 @@ def test_deployments_are_registered_with_the_run_config_form(serving, tiny_model
     schema = sync.parameter_openapi_schema
     assert schema["properties"]["cfg"]["$ref"].endswith("/RunConfig") and "RunConfig" in schema["definitions"]
     assert sync.parameters["cfg"]["model"]["path"] == str(tiny_model_dir)  # serve's config: the defaults
-    assert _deployment("train/fully-async").parameters["cfg"]["mode"] == "fully_async"
+    assert _deployment("train/fully-async").parameters["cfg"]["mode"]["type"] == "fully_async"
     scheduled = _deployment("evaluate-run/scheduled")
     assert scheduled.schedules and scheduled.parameters == {"run_dir": str(runs_root / "flow-test"), "only_new": True}
 
@@ -218,7 +218,7 @@ def test_a_mode_deployment_refuses_a_run_of_another_mode(serving, postgres_backe
     from deployments.api import RunFailed, get_run
 
     cli = subprocess.run([str(Path(sys.executable).parent / "prefect"), "deployment", "run", "train/sync",
-                          "--param", "cfg=" + json.dumps({"mode": "fully_async", "run_id": "wrong-mode"})],
+                          "--param", "cfg=" + json.dumps({"mode": {"type": "fully_async"}, "run_id": "wrong-mode"})],
                          env={**os.environ, "PREFECT_API_URL": postgres_backend}, capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert cli.returncode != 0 and "'fully_async' is not one of ['sync']" in cli.stdout + cli.stderr, cli.stdout
@@ -278,12 +278,12 @@ def _training_fully_async_run(runs_root: Path, model_dir, name: str):
     """An endless fully-async run on ``train/fully-async``, once it has trained three steps."""
     from deployments.api import start_run
 
-    cfg = _cfg(runs_root, model_dir, name=name, mode="fully_async",
+    cfg = _cfg(runs_root, model_dir, name=name,
                rollout={"num_rollout": 10_000, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
                         "rollout_max_response_len": 4},
                train={"micro_batch_size": 16},
                eval={"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True},
-               async_rollout={"segment_max_groups": 2})
+               mode={"type": "fully_async", "segment_max_groups": 2})
     run = start_run(cfg, deployment="train/fully-async")
 
     def training_steps() -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from doubles.scripted_engine import ScriptedEngine
 
-from miles_core.config import AsyncConfig, RunConfig
+from miles_core.config import FullyAsyncMode, RunConfig
 from miles_core.engines.base import SamplingParams
 from miles_core.loop import LoopThread
 from miles_core.rewards import score_groups
@@ -80,9 +80,8 @@ class Harness:
         async_kw.setdefault("segment_max_wait_s", 0.05)
         async_kw.setdefault("segment_max_groups", 2)
         self.cfg = RunConfig(
-            mode="fully_async",
+            mode=FullyAsyncMode(**async_kw),
             rollout={"rollout_batch_size": 4, "n_samples_per_prompt": N},
-            async_rollout=AsyncConfig(**async_kw),
         )
         self.layout = RunLayout(str(tmp_path / "runs"), "t", "r1")
         self.stream = SampleStream(self.layout.run_dir)
@@ -108,8 +107,8 @@ class Harness:
             raise self.future.exception()
 
     def feed(self, first_version: int = 0, read_ahead: bool = False) -> GroupFeed:
-        buffer = DefaultDataBuffer(self.cfg.async_rollout, capacity=64, first_version=first_version)
-        feed = GroupFeed(self.stream, buffer, self.cfg.async_rollout, producer_check=self.check, read_ahead=read_ahead)
+        buffer = DefaultDataBuffer(self.cfg.mode, capacity=64, first_version=first_version)
+        feed = GroupFeed(self.stream, buffer, self.cfg.mode, producer_check=self.check, read_ahead=read_ahead)
         self.feeds.append(feed)
         return feed
 
@@ -294,7 +293,7 @@ def test_nothing_is_stale_before_the_trainers_first_update(harness):
 
 
 def test_aborted_groups_are_rejected(harness):
-    buffer = DefaultDataBuffer(AsyncConfig(), capacity=8)
+    buffer = DefaultDataBuffer(FullyAsyncMode(), capacity=8)
     ok = Group([Sample("p", [1], [2], span_versions=[0])])
     aborted = Group([Sample("p", [1], [2], status=SampleStatus.ABORTED, group_index=1)])
     buffer.put([aborted, ok])
@@ -400,8 +399,8 @@ def test_a_producer_found_dead_is_dealt_with_while_the_others_keep_the_trainer_f
     def check():
         raise dead
 
-    buffer = DefaultDataBuffer(h.cfg.async_rollout, capacity=64)
-    feed = GroupFeed(h.stream, buffer, h.cfg.async_rollout, producer_check=check)
+    buffer = DefaultDataBuffer(h.cfg.mode, capacity=64)
+    feed = GroupFeed(h.stream, buffer, h.cfg.mode, producer_check=check)
     with pytest.raises(RuntimeError) as raised:
         feed.next_batch(4, 0)
     assert raised.value is dead
@@ -537,18 +536,18 @@ def test_unknown_filter_and_custom_buffer_errors_are_clear():
     with pytest.raises(ValueError, match="unknown dynamic filter 'nope'"):
         GroupFilters(["nope"])
     with pytest.raises(ValueError, match="custom data buffer 'no_such_mod:Buf'"):
-        make_buffer(AsyncConfig(), 4, path="no_such_mod:Buf")
+        make_buffer(FullyAsyncMode(), 4, path="no_such_mod:Buf")
 
 
 def test_custom_data_buffer_is_used(harness):
-    buffer = make_buffer(AsyncConfig(), 4, path=f"{__name__}:LifoBuffer")
+    buffer = make_buffer(FullyAsyncMode(), 4, path=f"{__name__}:LifoBuffer")
     assert isinstance(buffer, LifoBuffer)
 
 
 class LifoBuffer:
     """A custom buffer: newest groups first."""
 
-    def __init__(self, cfg: AsyncConfig, capacity: int) -> None:
+    def __init__(self, cfg: FullyAsyncMode, capacity: int) -> None:
         self.capacity = capacity
         self.groups: list[Group] = []
 

@@ -10,15 +10,18 @@ import pytest
 
 from miles_core.cli import FLAGS, build_parser, resolve_config
 from miles_core.config import (
+    AsyncMode,
     DeepSpeedTrainerConfig,
     DrGRPOLossConfig,
     FileDataConfig,
+    FullyAsyncMode,
     GRPOLossConfig,
     GSPOLossConfig,
     ReinforcePPLossConfig,
     RunConfig,
-    ToyDataConfig,
+    SyncMode,
     TorchTrainerConfig,
+    ToyDataConfig,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,11 +103,12 @@ def test_flags_apply_to_the_file_as_written_so_nothing_derived_goes_stale(tmp_pa
     assert cfg.train.loss.max_len is None  # validation wrote nothing into the config
 
 
-def test_loss_config_is_validated():
+def test_loss_config_is_validated(capsys):
     with pytest.raises(ValueError, match="eps_clip_c"):
         _cfg("--eps-clip-c", "1.0")  # the dual clip bound must be above 1
-    with pytest.raises(ValueError, match="ppo"):
+    with pytest.raises(SystemExit):
         _cfg("--advantage-estimator", "ppo")
+    assert "invalid choice: 'ppo' (choose from 'grpo', 'dr_grpo', 'gspo'," in capsys.readouterr().err
     with pytest.raises(ValueError, match="advantage_std_normalize"):
         _cfg("--advantage-estimator", "dr_grpo", "--disable-grpo-std-normalization")  # dr_grpo has no std
     with pytest.raises(ValueError, match="entropy_coef"):
@@ -136,22 +140,86 @@ def test_mode_flags_and_async_settings(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('mode = "sync"\n')
     cfg = _cfg("--config", str(path), "--mode", "async", "--update-weights-interval", "2")
-    assert cfg.mode == "async" and cfg.async_rollout.update_weights_interval == 2
+    assert cfg.mode == AsyncMode(update_weights_interval=2)
     cfg = _cfg("--fully-async", "--async-max-concurrent-samples", "64", "--max-weight-staleness", "3",
                "--async-unused-samples-handler", "retry", "--partial-rollout", "--dynamic-sampling-filters",
                "nonzero_reward_std", "--async-submit-granularity", "sample")
-    a = cfg.async_rollout
-    assert cfg.mode == "fully_async" and a.max_concurrent_samples == 64 and a.max_weight_staleness == 3
+    a = cfg.mode
+    assert a.type == "fully_async" and a.max_concurrent_samples == 64 and a.max_weight_staleness == 3
     assert a.unused_samples_handler == "retry" and a.partial_rollout and a.dynamic_filters == ["nonzero_reward_std"]
     assert a.submit_granularity == "sample"
+    # a mode's flag comes before or after the mode's: the same run
+    assert _cfg("--async-max-concurrent-samples", "64", "--mode", "fully_async").mode.max_concurrent_samples == 64
+
+
+def test_mode_is_a_tagged_union_each_mode_with_its_own_settings(tmp_path):
+    """``mode = "async"`` is that mode's table with its defaults; a table sets its fields; a setting of
+    another mode is refused naming it (in TOML, in Python, and by flag); switching the mode by flag
+    starts the new mode's table afresh."""
+    assert RunConfig.model_validate({"mode": "async"}).mode == AsyncMode()
+    cfg = RunConfig.model_validate({"mode": {"type": "fully_async", "max_concurrent_samples": 8}})
+    assert isinstance(cfg.mode, FullyAsyncMode) and cfg.mode.max_concurrent_samples == 8
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # what a run folder stores reads back
+    with pytest.raises(ValueError, match="update_weights_interval"):
+        RunConfig.model_validate({"mode": {"type": "fully_async", "update_weights_interval": 2}})
+    cfg.mode = "sync"  # assignment takes a name too
+    assert cfg.mode == SyncMode() and cfg.mode.type == "sync"
+    with pytest.raises(TypeError, match="compare cfg.mode.type with 'sync'"):
+        _ = cfg.mode == "sync"  # the old spelling would be silently False: it is loud instead
+    with pytest.raises(ValueError, match="max_concurrent_samples"):
+        cfg.mode = {"type": "sync", "max_concurrent_samples": 8}
+    assert cfg.mode == SyncMode()  # a refused assignment changes nothing
+    with pytest.raises(SystemExit, match="--update-weights-interval is a setting of async mode, but this run's "
+                                         "mode is 'fully_async': add --mode async"):
+        _cfg("--fully-async", "--update-weights-interval", "2")
+    with pytest.raises(SystemExit, match="--rollout-producers is a setting of fully_async mode.*add --fully-async"):
+        _cfg("--rollout-producers", "2")
+    with pytest.raises(SystemExit, match="disagree"):
+        _cfg("--mode", "sync", "--fully-async")
+    path = tmp_path / "run.toml"
+    path.write_text('[mode]\ntype = "fully_async"\nmax_concurrent_samples = 8\n')
+    assert _cfg("--config", str(path), "--async-submit-granularity", "sample").mode.max_concurrent_samples == 8
+    assert _cfg("--config", str(path), "--mode", "async").mode == AsyncMode()  # another mode: its own defaults
+    assert _cfg("--config", str(path), "--set", "mode.type=fully_async").mode.max_concurrent_samples == 8
+
+
+def test_an_older_async_rollout_table_moves_into_its_mode(tmp_path):
+    """Configs written before ``mode`` held its settings (``[async_rollout]``, stored run configs)
+    still load; a setting the run's mode does not have is refused unless it is at its default."""
+    cfg = RunConfig.model_validate({"mode": "fully_async", "async_rollout": {"max_weight_staleness": 3,
+                                                                           "update_weights_interval": 1}})
+    assert cfg.mode.max_weight_staleness == 3 and cfg.mode.max_concurrent_samples == 256
+    old_dump = {"mode": "sync", "async_rollout": FullyAsyncMode().model_dump() | {"update_weights_interval": 1}}
+    del old_dump["async_rollout"]["type"]
+    assert RunConfig.model_validate(old_dump).mode == SyncMode()  # every setting at its default: nothing lost
+    with pytest.raises(ValueError, match="async_rollout.max_concurrent_samples = 64 is a setting of mode "
+                                         "'fully_async', but this run's mode is 'sync'"):
+        RunConfig.model_validate({"async_rollout": {"max_concurrent_samples": 64}})
+    with pytest.raises(ValueError, match="async_rollout.bogus: no such setting"):
+        RunConfig.model_validate({"mode": "fully_async", "async_rollout": {"bogus": 1}})
+    # a stored run's config (``miles evaluate`` of a run from before): what did nothing in it is let go
+    from miles_core.config import upgrade_mode
+
+    stored = {"mode": "sync", "async_rollout": {"max_concurrent_samples": 64, "update_weights_interval": 2}}
+    assert RunConfig.model_validate(upgrade_mode(stored, strict=False)).mode == SyncMode()
+    path = tmp_path / "old.toml"
+    path.write_text('mode = "async"\n[async_rollout]\nupdate_weights_interval = 3\n')
+    assert _cfg("--config", str(path)).mode == AsyncMode(update_weights_interval=3)
+    with pytest.raises(ValueError, match="update_weights_interval = 3 is a setting of mode 'async', but this "
+                                         "run's mode is 'fully_async'"):
+        _cfg("--config", str(path), "--fully-async")  # the old table is one for every mode: nothing dropped unsaid
+    path.write_text('[async_rollout]\nmax_concurrent_samples = 3\n')
+    assert _cfg("--config", str(path), "--fully-async").mode.max_concurrent_samples == 3
+    with pytest.raises(ValueError, match=f"{path}: async_rollout.max_concurrent_samples = 3"):
+        _cfg("--config", str(path))
 
 
 def test_async_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="buffer_capacity_factor"):
-        RunConfig.model_validate({"async_rollout": {"buffer_capacity_factor": 0.5}})
+        RunConfig.model_validate({"mode": {"type": "fully_async", "buffer_capacity_factor": 0.5}})
     assert RunConfig.model_validate({"mode": "fully_async", "checkpoint": {"save_interval": 5}}).checkpoint.save_interval == 5
     with pytest.raises(ValueError, match="partial_rollout cannot continue samples of a custom generate"):
-        RunConfig.model_validate({"async_rollout": {"partial_rollout": True},
+        RunConfig.model_validate({"mode": {"type": "fully_async", "partial_rollout": True},
                                   "rollout": {"custom_generate_function_path": "m:f"}})
     with pytest.raises(ValueError, match="custom_generate_function_path.*instead"):
         RunConfig.model_validate({"mode": "fully_async", "rollout": {"rollout_function_path": "m:f"}})
@@ -275,7 +343,7 @@ def test_multi_lora_flags_and_adapter_configs():
     assert list(adapters) == ["adapter-0", "adapter-1", "adapter-2"]
     for name, acfg in adapters.items():
         assert acfg.lora.adapter_name == name and acfg.lora.rank == 4 and acfg.train.lr == 1e-3
-        assert acfg.mode == "fully_async" and acfg.multi_lora is None
+        assert acfg.mode.type == "fully_async" and acfg.multi_lora is None
         assert acfg.train.use_tis is False  # per-adapter samples are on-policy for their adapter
     assert _cfg("--lora-rank", "4", "--multi-lora-n-adapters", "2").multi_lora.names == ["adapter-0", "adapter-1"]
     assert cfg.multi_lora.shared_base is True  # one base for every adapter, unless turned off
@@ -312,6 +380,21 @@ def test_multi_lora_adapter_overrides_are_merged_and_validated():
     refused({"n_adapters": 2, "rollout_source": "per_adapter", "lead_adapter": "adapter-0"}, "only applies to")
     with pytest.raises(ValueError, match="needs the adapters' base LoRA settings"):
         RunConfig.model_validate({"multi_lora": {"n_adapters": 2}})
+
+
+def test_a_multi_lora_run_is_fully_async():
+    raw = {"lora": {"rank": 4}, "multi_lora": {"n_adapters": 2}}
+    for mode in (None, "sync", {"type": "async"}):
+        cfg = RunConfig.model_validate(raw if mode is None else {**raw, "mode": mode})
+        assert cfg.mode == FullyAsyncMode(), mode  # a mode named alone does not apply: documented
+    with pytest.raises(ValueError, match="a multi-LoRA run is fully async: mode.update_weights_interval"):
+        RunConfig.model_validate({**raw, "mode": {"type": "async", "update_weights_interval": 2}})
+    cfg = RunConfig.model_validate(raw)
+    with pytest.raises(ValueError, match="a multi-LoRA run is fully async, but mode is 'sync'"):
+        cfg.mode = "sync"
+    assert cfg.mode == FullyAsyncMode()
+    with pytest.raises(SystemExit, match="--mode async: a multi-LoRA run is always fully async"):
+        _cfg("--lora-rank", "4", "--lora-count", "2", "--mode", "async")
 
 
 def test_in_run_evaluation_settings():
@@ -437,7 +520,7 @@ def test_prefect_yaml_parameters_are_valid_run_configs():
     assert len(with_cfg) >= 4
     for d in with_cfg:
         cfg = RunConfig.model_validate(d["parameters"]["cfg"])
-        assert d["tags"][0] == "train" and (cfg.mode in d["tags"] or cfg.multi_lora is not None), d["name"]
+        assert d["tags"][0] == "train" and (cfg.mode.type in d["tags"] or cfg.multi_lora is not None), d["name"]
 
 
 def test_overrides_merge_into_a_config_table_by_table():

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from miles_core.config import AsyncConfig
+from miles_core.config import FullyAsyncMode
 from miles_core.rollout.buffer import DefaultDataBuffer
 from miles_core.rollout.consumer import GroupFeed
 from miles_core.rollout.fleet import (
@@ -251,7 +251,7 @@ def test_the_trainer_merges_producer_streams_in_a_fixed_order_with_a_cursor_each
     streams["p1"].append([_group(GROUP_STRIDE + 0), _group(GROUP_STRIDE + 1)])
     streams["p0"].append([_group(0)])
     streams["p0"].append([_group(1), _group(2)])
-    cfg = AsyncConfig()
+    cfg = FullyAsyncMode()
     fences = {"p0": None, "p1": None}
 
     def feed():
@@ -275,7 +275,7 @@ def test_a_fenced_stream_is_read_up_to_its_fence_only(tmp_path):
     s0 = base.sibling(stream_name("p0"))
     s0.append([_group(0)])
     s0.append([_group(1)])  # written by a producer the trainer had declared dead at offset 0
-    cfg = AsyncConfig()
+    cfg = FullyAsyncMode()
     feed = GroupFeed(base, DefaultDataBuffer(cfg, capacity=64, first_version=0), cfg,
                      streams=lambda: [(s0, 0)], poll_s=0.001)
     assert [g.group_index for g in feed.next_batch(1, 0).groups] == [0]
@@ -354,7 +354,7 @@ def test_a_resumed_feed_trains_each_remaining_group_once(tmp_path):
     s0 = base.sibling(stream_name("p0"))
     s0.append([_group(0), _group(1), _group(2)])
     s0.append([_group(3), _group(4)])
-    cfg = AsyncConfig()
+    cfg = FullyAsyncMode()
 
     def feed(done=None):
         return GroupFeed(base, DefaultDataBuffer(cfg, capacity=64, first_version=0), cfg,

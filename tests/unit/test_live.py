@@ -53,11 +53,26 @@ def test_a_mode_deployment_offers_its_mode_only(tmp_path, monkeypatch):
     served = {d.name: d for d in deployments(RunConfig())}
     for name, mode in (("sync", "sync"), ("async", "async"), ("fully-async", "fully_async")):
         field = served[name]._parameter_openapi_schema.definitions["RunConfig"]["properties"]["mode"]
-        assert field["enum"] == [mode] and field["readOnly"] and served[name].tags == ["train", mode]
-        assert served[name].parameters["cfg"]["mode"] == mode
+        assert field["properties"]["type"]["enum"] == [mode] and field["properties"]["type"]["readOnly"]
+        assert served[name].tags == ["train", mode] and served[name].parameters["cfg"]["mode"]["type"] == mode
+        assert field["position"] == 1 and "trains in" in field["description"]
+    # the mode's own settings, and only those, are in its form
+    fully = served["fully-async"]._parameter_openapi_schema.definitions["RunConfig"]["properties"]["mode"]
+    assert "max_concurrent_samples" in fully["properties"] and "update_weights_interval" not in fully["properties"]
     # the flow's own schema (prefect deploy, other deployments) still offers every mode
     multi = served["multi-lora"]._parameter_openapi_schema.definitions["RunConfig"]["properties"]["mode"]
-    assert multi["enum"] == ["sync", "async", "fully_async"]
+    assert sorted(multi["discriminator"]["mapping"]) == ["async", "fully_async", "sync"]
+
+
+def test_a_mode_deployment_keeps_the_served_configs_settings_of_its_mode(tmp_path, monkeypatch):
+    from deployments.serve import deployments
+    from miles_core.config import RunConfig
+
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig.model_validate({"mode": {"type": "fully_async", "max_concurrent_samples": 8}})
+    served = {d.name: d.parameters["cfg"]["mode"] for d in deployments(cfg) if "cfg" in d.parameters}
+    assert served["fully-async"]["max_concurrent_samples"] == 8
+    assert served["async"] == {"type": "async", "update_weights_interval": 1} and served["sync"] == {"type": "sync"}
 
 
 def test_a_live_report_republishes_on_its_interval_and_once_more_at_the_end(monkeypatch):

@@ -17,7 +17,7 @@ import torch
 from doubles.scripted_engine import ScriptedEngine
 from test_async_rollout import CharTokenizer, Harness, score
 
-from miles_core.config import AsyncConfig
+from miles_core.config import FullyAsyncMode
 from miles_core.engines.base import GenerateRequest
 from miles_core.engines.policy import AdapterPolicy
 from miles_core.rollout.buffer import DefaultDataBuffer, group_lag
@@ -41,8 +41,8 @@ class MultiHarness(Harness):
                                **self.producer_kw)
 
     def reader_feed(self, reader: str, view=None, read_ahead: bool = False) -> GroupFeed:
-        buffer = DefaultDataBuffer(self.cfg.async_rollout, capacity=64)
-        feed = GroupFeed(self.stream, buffer, self.cfg.async_rollout, reader=reader, producer_check=self.check,
+        buffer = DefaultDataBuffer(self.cfg.mode, capacity=64)
+        feed = GroupFeed(self.stream, buffer, self.cfg.mode, reader=reader, producer_check=self.check,
                          read_ahead=read_ahead, view=view)
         self.feeds.append(feed)
         return feed
@@ -251,7 +251,7 @@ def test_adapter_view_takes_only_its_own_groups_and_passes_shared_segments(tmp_p
     stream = SampleStream(RunLayout(str(tmp_path / "runs"), "t", "r1").run_dir)
     layout = [[(0, "a"), (1, "b")], [(2, "a"), (3, "b")], [(4, "b"), (5, "b")], [(6, "a"), (7, "a")]]
     offsets = [stream.append([_written(name, g) for g, name in seg]) for seg in layout]
-    cfg = AsyncConfig(max_weight_staleness=0)
+    cfg = FullyAsyncMode(max_weight_staleness=0)
     feeds = {name: GroupFeed(stream, DefaultDataBuffer(cfg, 64), cfg, reader=f"adapter-{name}",
                              view=adapter_view(name), read_ahead=read_ahead) for name in "ab"}
     try:
