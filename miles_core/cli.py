@@ -265,6 +265,8 @@ def _add_miles_flags(p: argparse.ArgumentParser) -> None:
                    help=f"resume this run: {NOTES['--load']}")
     p.add_argument("--use-kl-loss", dest="miles:use_kl_loss", action="store_true", default=argparse.SUPPRESS,
                    help=NOTES["--use-kl-loss"])
+    p.add_argument("--num-epoch", dest="miles:num_epoch", type=int, metavar="EPOCHS", default=argparse.SUPPRESS,
+                   help=NOTES["--num-epoch"])
     for flag, key in (("--eval-input-key", "input_key"), ("--eval-label-key", "label_key")):
         p.add_argument(flag, dest=f"miles:eval_{key}", metavar=key.upper(), default=argparse.SUPPRESS,
                        help=NOTES[flag])
@@ -352,7 +354,12 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     _check_file_flags(data)
     _check_backend_flags(data)
     _check_mode_flags(data, overrides)
-    return RunConfig.model_validate_file_dict(data, source=args.config or "command line")
+    cfg = RunConfig.model_validate_file_dict(data, source=args.config or "command line")
+    if "miles:num_epoch" in vars(args):
+        if "rollout.num_rollout" in overrides:
+            raise SystemExit("--num-epoch and --num-rollout both set the run's length: give one of them")
+        _set_epochs(cfg, vars(args)["miles:num_epoch"])
+    return cfg
 
 
 def _set_eval_prompt_data(data: dict[str, Any], values: list[str]) -> None:
@@ -385,6 +392,29 @@ def _apply_miles_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
     for key in ("input_key", "label_key"):
         if f"eval_{key}" in given:
             _set_eval_key(data, key, given[f"eval_{key}"])
+
+
+def _set_epochs(cfg: RunConfig, epochs: int) -> None:
+    """``--num-epoch N``: ``rollout.num_rollout`` = N x the training prompts // ``rollout_batch_size``
+    (Miles' rule; the prompt source crosses epochs by itself, each in its own shuffled order)."""
+    import sys
+
+    if epochs < 1:
+        raise SystemExit(f"--num-epoch {epochs}: give 1 or more")
+    if cfg.data.type == "toy":
+        prompts = cfg.data.num_prompts
+    else:
+        from miles_core.data.datasets import load_prompt_rows
+
+        prompts = len(load_prompt_rows(cfg.data))
+    batch = cfg.rollout.rollout_batch_size
+    steps = epochs * prompts // batch
+    if steps < 1:
+        raise SystemExit(f"--num-epoch {epochs}: {epochs} x {prompts} prompts is less than one rollout batch of "
+                         f"{batch} (--rollout-batch-size)")
+    cfg.rollout.num_rollout = steps
+    print(f"--num-epoch {epochs}: {prompts} prompts x {epochs} // {batch} per rollout = {steps} rollouts "
+          "(rollout.num_rollout)", file=sys.stderr)
 
 
 def _set_run_folder(data: dict[str, Any], folder: str) -> None:

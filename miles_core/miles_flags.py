@@ -24,7 +24,7 @@ MODE_FLAGS = ("--fully-async", "--num-rollout", "--model", "--rollout-batch-size
 DOC_FLAGS = ("--lora-count", "--model", "--sglang-enable-ep-moe")
 """Of those, the ones Miles' argument files do not define."""
 
-SPECIAL = ("--config", "--load", "--use-kl-loss", "--eval-input-key", "--eval-label-key")
+SPECIAL = ("--config", "--load", "--use-kl-loss", "--eval-input-key", "--eval-label-key", "--num-epoch")
 """Miles flags ``cli`` parses itself (not through ``FLAGS`` or ``SWITCHES``)."""
 
 NOTES = {
@@ -40,6 +40,8 @@ NOTES = {
                         "`--lr-decay-iters` optimizer steps (default: the run's)",
     "--lr-warmup-iters": "linear warmup from 0 over this many optimizer steps",
     "--lr-decay-iters": "optimizer steps, warmup included (default: `--num-rollout` x steps per rollout)",
+    "--num-epoch": "sets `--num-rollout` to epochs x the dataset's prompts // `--rollout-batch-size`, as Miles "
+                   "does (the dataset is read once to count them); not with `--num-rollout`",
     "--rollout-seed": "the run's seed of prompt order and sampling (`seed`, also `--seed`)",
     "--seed": "the run's seed of prompt order and sampling; the trainer's is `train.seed`",
     "--train-backend": "`torch` or `deepspeed` (Miles: `megatron` or `fsdp`)",
@@ -104,7 +106,6 @@ HINTS = {
     "--ref-load": "the reference policy is the starting model (`--hf-checkpoint`); with LoRA, the base",
     "--save-hf": "every version is a safetensors snapshot (a PEFT folder with LoRA) under the run folder's "
                  "`weights/`",
-    "--num-epoch": "set `--num-rollout` (steps = epochs x prompts // `--rollout-batch-size`)",
     "--over-sampling-batch-size": "fully-async mode (`--fully-async`) keeps generating until a batch of the "
                                   "groups `--dynamic-sampling-filters` accept is full",
     "--dynamic-sampling-filter-path": "`--dynamic-sampling-filters module:function` (or a built-in name: "

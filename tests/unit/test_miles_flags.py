@@ -113,3 +113,19 @@ def test_lora_count_on_train_runs_the_multi_lora_flow(monkeypatch, capsys):
 
 def test_rollout_seed_is_the_runs_seed():
     assert _cfg("--rollout-seed", "7").seed == 7
+
+
+def test_num_epoch_sets_the_runs_length_from_the_datasets_prompts(tmp_path, capsys):
+    assert _cfg("--num-epoch", "2", "--rollout-batch-size", "64").rollout.num_rollout == 2 * 4096 // 64  # toy
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "label": "{i + 1}"}}\n' for i in range(10)))
+    cfg = _cfg("--prompt-data", str(data), "--num-epoch", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+               "--lr-decay-style", "cosine")
+    assert cfg.rollout.num_rollout == 7  # 30 prompts // 4, Miles' rule
+    assert "10 prompts x 3 // 4 per rollout = 7 rollouts" in capsys.readouterr().err
+    per_rollout = len(cfg.train.minibatch_sizes(cfg.samples_per_rollout))
+    assert cfg.trainer_config().lr_decay_steps == 7 * per_rollout  # the schedule follows the run's length
+    with pytest.raises(SystemExit, match="--num-epoch and --num-rollout both set the run's length"):
+        _cfg("--num-epoch", "1", "--num-rollout", "5")
+    with pytest.raises(SystemExit, match="less than one rollout batch of 32"):
+        _cfg("--prompt-data", str(data), "--num-epoch", "1")
