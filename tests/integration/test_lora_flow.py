@@ -80,7 +80,7 @@ def test_lora_run_improves_with_only_the_adapter_changing(
     from miles_core.storage import WeightStore
 
     cfg = _run_cfg(tmp_path, demo_model, mode, train={"lr": 3e-3, "micro_batch_size": 64, "backend": backend, "use_tis": mode == "fully_async"}, lora=LORA,
-                   mode={"max_weight_staleness": 2, "max_concurrent_samples": 128})
+                   mode={"max_weight_staleness": 2, "max_concurrent_samples": 128} if mode == "fully_async" else {})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     summary = state.result()

@@ -16,12 +16,13 @@ from serving import task_run_names
 pytestmark = pytest.mark.integration
 
 
-def _run_cfg(tmp_path: Path, model_dir: str, mode: str, **overrides):
+def _run_cfg(tmp_path: Path, model_dir: str, kind: str, **overrides):
+    """A toy run in mode ``kind``; ``mode={...}`` adds that mode's settings, other tables merge likewise."""
     from miles_core.config import RunConfig
 
     raw = {
-        "name": f"mode-{mode}",
-        "mode": {"type": mode},
+        "name": f"mode-{kind}",
+        "mode": {"type": kind},
         "model": {"path": model_dir},
         "data": {"type": "toy"},
         "rollout": {"num_rollout": 12, "rollout_batch_size": 32, "n_samples_per_prompt": 8,
