@@ -11,8 +11,9 @@ Parts:
 - ``ModeConfig``: a tagged union of execution modes, each with its own settings: ``SyncMode``,
   ``AsyncMode`` (how often weights are pushed), ``FullyAsyncMode`` (producers, buffer, staleness).
 - ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
-- ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process) or
-  ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches).
+- ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process),
+  ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches) or
+  ``VLLMEngineConfig`` (a vLLM server: a running one, or one the run launches).
 - ``TrainConfig``: batch sizes, optimizer, loss union (``LossConfig``: grpo, dr_grpo, gspo,
   reinforce_plus_plus, reinforce_plus_plus_baseline), KL and entropy terms, rollout correction, trainer backend union
   (``TorchTrainerConfig`` or ``DeepSpeedTrainerConfig``).
@@ -505,7 +506,60 @@ class SGLangEngineConfig(_Base):
         return self
 
 
-EngineConfig = Annotated[Union[HFEngineConfig, SGLangEngineConfig], Field(discriminator="type")]
+class VLLMEngineConfig(_Base):
+    """Rollout engine behind a vLLM server (its OpenAI-compatible API server): a running one at
+    ``url``, or one the run launches from ``python`` (vLLM's own environment, since it pins its own
+    transformers: ``scripts/setup-vllm.sh`` builds one) over the run's model, stopped with the run.
+
+    Token ids go in and come back with per-token logprobs (``/v1/completions``); weight versions
+    are loaded from their safetensors snapshot folder (``/collective_rpc`` ``reload_weights``),
+    LoRA adapters by name (``/v1/load_lora_adapter``). A server at ``url`` must have been started
+    as the launcher starts one: ``VLLM_SERVER_DEV_MODE=1`` (weight reload, pause, abort),
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` and ``--enable-lora`` (adapters), and ``--logprobs-mode
+    processed_logprobs`` (logprobs of ``logits / temperature``)."""
+
+    type: Literal["vllm"] = "vllm"
+    url: str | None = None
+    """Base URL of a running vLLM server, e.g. ``http://10.0.0.5:8000`` (None: launch one). It must
+    read weight snapshots at the paths the run's weight store gives (a local folder)."""
+    python: str | None = None
+    """Launched server: the Python of vLLM's environment (None: ``.cache/vllm-env/bin/python``
+    under the working folder, which ``scripts/setup-vllm.sh`` builds)."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """Launched server: OpenMP threads of its model (None: as many as ``cpu_affinity`` lists, else 1)."""
+    cpu_affinity: list[NonNegativeInt] | None = None
+    """Launched server: the CPU cores its processes are pinned to (None: not pinned)."""
+    kv_cache_gb: int = Field(default=1, ge=1)
+    """Launched server on CPU: memory for its KV cache, GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Launched server: sequences it runs at once (``--max-num-seqs``)."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Launched server: longest prompt + response (None: the model's own)."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """Launched server: the largest LoRA rank it takes (``--max-lora-rank``; LoRA is enabled when
+    the run trains an adapter)."""
+    max_loras: int = Field(default=4, ge=1)
+    """Launched server: adapters in one batch (``--max-loras``)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Launched server: more flags for ``vllm.entrypoints.openai.api_server``."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """Launched server: how long to wait for it to answer ``/health`` (vLLM loads and compiles:
+    ~35 s for the tiny model on this kind of CPU)."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for one HTTP request to the server."""
+    health_warn_s: float = Field(default=30.0, gt=0)
+    """While requests wait on a server that gives no sign of life, a warning every this many seconds."""
+    health_timeout_s: float = Field(default=120.0, gt=0)
+    """After this many seconds without a sign of life, the pending requests fail, naming the URL."""
+
+    @model_validator(mode="after")
+    def _check_url(self) -> VLLMEngineConfig:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine.url={self.url!r} must start with http:// or https://")
+        return self
+
+
+EngineConfig = Annotated[Union[HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig], Field(discriminator="type")]
 
 
 # ---------------------------------------------------------------------------------------- train

@@ -2,6 +2,8 @@
 
 - ``setup_engine(cfg, model_dir, dtype, seed, storage_options)``: builds the engine an ``EngineConfig`` names.
 - ``hf``: ``HFEngine``, the in-process transformers engine (CPU default), imported on first use.
+- ``vllm``: ``VLLMEngine``, a client of a vLLM server (``engine.type = "vllm"``), and
+  ``LocalVLLMServer``, which launches one from vLLM's own environment (``scripts/setup-vllm.sh``).
 - ``sglang``: ``SGLangEngine``, a client of SGLang's HTTP API (``engine.type = "sglang"``): real
   SGLang servers on GPUs, or the stand-in below. One ``POST /generate`` per ``generate`` call.
 - ``server``: the stand-in, an HTTP server that serves an ``HFEngine`` under SGLang's endpoints and
@@ -22,10 +24,12 @@ are imported on first use.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from miles_core.config import HFEngineConfig, SGLangEngineConfig
+from miles_core.config import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
 from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
 __all__ = ["GenerateRequest", "GenerateResult", "RolloutEngine", "SamplingParams", "setup_engine"]
@@ -50,24 +54,44 @@ def _build_sglang(cfg: SGLangEngineConfig, model_dir: str, dtype: str, seed: int
     return SGLangEngine(server.url, cfg, server=server)
 
 
-_BUILDERS: dict[type, Callable[..., RolloutEngine]] = {HFEngineConfig: _build_hf, SGLangEngineConfig: _build_sglang}
+def _build_vllm(cfg: VLLMEngineConfig, model_dir: str, dtype: str, seed: int, storage_options, lora: bool = False,
+                log_dir: str | None = None) -> RolloutEngine:
+    """A client of ``cfg.url``; without one, of a vLLM server launched over ``model_dir`` from
+    ``cfg.python`` (which the engine owns: its ``close()`` stops the server), its log in ``log_dir``."""
+    from miles_core.engines.vllm import SERVED_NAME, LocalVLLMServer, VLLMEngine
+
+    if cfg.url is not None:
+        return VLLMEngine(cfg.url, cfg)
+    log_path = None if log_dir is None else str(Path(log_dir) / f"vllm-{uuid.uuid4().hex[:8]}.log")
+    server = LocalVLLMServer(str(model_dir), cfg, dtype=dtype, seed=seed, lora=lora, log_path=log_path).start()
+    return VLLMEngine(server.url, cfg, server=server, model=SERVED_NAME)
+
+
+_BUILDERS: dict[type, Callable[..., RolloutEngine]] = {HFEngineConfig: _build_hf, SGLangEngineConfig: _build_sglang,
+                                                       VLLMEngineConfig: _build_vllm}
 
 
 def setup_engine(
-    cfg: HFEngineConfig | SGLangEngineConfig,
+    cfg: HFEngineConfig | SGLangEngineConfig | VLLMEngineConfig,
     model_dir: str,
     dtype: str = "float32",
     seed: int = 0,
     storage_options: dict[str, Any] | None = None,
+    lora: bool = False,
+    log_dir: str | None = None,
 ) -> RolloutEngine:
     """The rollout engine of ``cfg`` (one of ``EngineConfig``'s variants) serving ``model_dir``.
 
     ``dtype`` is the parameter dtype (``ModelConfig.dtype``); ``seed`` seeds requests without a seed;
     ``storage_options`` are the fsspec options of the store that weight URIs point into. An
     ``SGLangEngineConfig`` with a ``url`` uses that server as it is (its model, dtype, seed and
-    storage access are the server's own)."""
+    storage access are the server's own). ``lora``: the engine will serve LoRA adapters (a vLLM
+    server is launched with them enabled); ``log_dir``: a local folder for a launched vLLM server's
+    log (the run folder's ``engine-logs/`` when it is local)."""
     builder = _BUILDERS.get(type(cfg))
     if builder is None:
         known = ", ".join(t.__name__ for t in _BUILDERS)
         raise TypeError(f"no rollout engine for config {type(cfg).__name__}; known configs: {known}")
+    if isinstance(cfg, VLLMEngineConfig):  # a launched vLLM server is started with LoRA or without
+        return builder(cfg, model_dir, dtype, seed, storage_options, lora=lora, log_dir=log_dir)
     return builder(cfg, model_dir, dtype, seed, storage_options)

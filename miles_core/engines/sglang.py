@@ -10,8 +10,6 @@ Parts:
   server (the other calls of the batch are unaffected); with a window of 0, each call is its own
   request and cancelling it disconnects it.
 - ``request_body`` / ``parse_result``: the JSON mapping of one call, both ways (pure functions).
-- ``Transport`` / ``AiohttpTransport``: how requests travel (tests put a fake one in).
-- ``EngineHTTPError``: the server answered with an error status; ``EngineUnreachable``: no answer.
 
 The mapping (SGLang 0.5.x): each request's ``SamplingParams`` become one ``sampling_params`` dict
 (``seed`` travels as ``sampling_seed``; ``no_stop_trim`` keeps a matched stop string in the text,
@@ -27,31 +25,23 @@ running ones freeze where they are and continue after ``resume()`` (with whateve
 then), rather than finishing first. Errors are not retried here: a failed call raises, naming the
 URL and the HTTP status, and the caller (the rollout producer) retries.
 
-HTTP goes through aiohttp (as Miles' own SGLang client does): 256 concurrent requests to a local
-server took 1.5-1.8 s with httpx's AsyncClient and 0.02-0.06 s with aiohttp (httpx issue #3215:
-its connection pool does not scale with concurrency), and a rollout producer keeps hundreds of
-calls in flight. It runs on the engine's own event loop (a ``LoopThread`` started on first use)
-with one session: callers may drive one engine from any loop, or several (tests call
-``asyncio.run`` repeatedly), while a session and its connections belong to the loop that made
-them. A caller's cancelled ``generate`` cancels its request there, and the server sees the
-disconnect.
+HTTP (aiohttp, one I/O loop per engine, the health deadline) is ``miles_core.engines.http``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import logging
-import threading
-import time
 import uuid
-import weakref
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from miles_core.loop import LoopThread
+from miles_core.engines.http import (  # noqa: F401 (EngineUnreachable, error_message: imported from here too)
+    EngineHTTPError,
+    EngineUnreachable,
+    HTTPEngine,
+    Transport,
+    error_message,
+)
 
 if TYPE_CHECKING:
     from miles_core.config import SGLangEngineConfig
@@ -59,155 +49,17 @@ if TYPE_CHECKING:
 
 PAUSE_MODE = "in_place"
 """``/pause_generation`` mode of ``pause()``: hold new requests, keep running ones (no abort)."""
-_CONTROL_TIMEOUT_S = 60.0
-"""Timeout of the control endpoints (pause waits for the running batch on the CPU stand-in server,
-hence not a few seconds)."""
-T = TypeVar("T")
-log = logging.getLogger(__name__)
+CONTROL_PATHS = ("/update_weights_from_disk", "/pause_generation", "/load_lora_adapter", "/unload_lora_adapter")
+"""Control calls that may hold the server for a while (not a sign of a dead server)."""
 
 
-class EngineHTTPError(RuntimeError):
-    """The server answered an engine request with an error status."""
-
-    def __init__(self, url: str, status: int, message: str) -> None:
-        super().__init__(f"{url} answered HTTP {status}: {message}")
-        self.url, self.status, self.message = url, status, message
-
-
-class EngineUnreachable(ConnectionError):
-    """No answer from the server (connection refused or reset, timeout)."""
-
-
-class Transport(Protocol):
-    """Sends one HTTP request and returns (status, body). Raises ``EngineUnreachable`` when no
-    answer comes. Used on one event loop only."""
-
-    async def request(
-        self, method: str, url: str, body: dict[str, Any] | None, timeout: float
-    ) -> tuple[int, bytes]: ...
-
-    async def close(self) -> None: ...
-
-
-class AiohttpTransport:
-    """``Transport`` over one aiohttp session with no connection limit (concurrent calls must not
-    queue in the client: the server batches them)."""
-
-    def __init__(self) -> None:
-        self._session = None
-
-    async def request(self, method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, bytes]:
-        import aiohttp
-
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        try:
-            limit = aiohttp.ClientTimeout(total=timeout)
-            async with self._session.request(method, url, json=body, timeout=limit) as reply:
-                return reply.status, await reply.read()
-        except asyncio.TimeoutError as e:
-            raise EngineUnreachable(f"{url}: no answer within {timeout:g} s") from e
-        except aiohttp.ClientError as e:  # refused, reset, disconnected, bad reply
-            raise EngineUnreachable(f"{url}: cannot reach the engine server ({type(e).__name__}: {e})") from e
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-class HealthWatch:
-    """The health deadline of one server's requests (on the engine's I/O loop). While requests
-    wait, ``GET /health`` is probed every ``probe_s`` (SGLang's own ``/health`` may run a one-token
-    generation, so each probe gets ``probe_s`` to answer); a reply, or any request answered, is a
-    sign of life. After ``warn_s`` without one, a warning names the URL and what is pending (and
-    again every ``warn_s``); after ``timeout_s``, every pending request fails with
-    ``EngineUnreachable`` naming them, instead of waiting out the request timeout. While a
-    control call that may legitimately hold the server (a weight update, a pause, an adapter
-    load: ``EXEMPT``) is pending, the server counts as alive; those calls have their own timeout."""
-
-    EXEMPT = ("/update_weights_from_disk", "/pause_generation", "/load_lora_adapter", "/unload_lora_adapter")
-
-    def __init__(self, url: str, transport: Transport, warn_s: float, timeout_s: float,
-                 warn=log.warning, clock=time.monotonic) -> None:
-        self.url, self.transport = url, transport
-        self.warn_s, self.timeout_s = warn_s, timeout_s
-        self.probe_s = max(0.05, min(25.0, timeout_s / 4))
-        self.warn, self.clock = warn, clock
-        self._pending: dict[asyncio.Task, tuple[str, float]] = {}
-        self._life = clock()
-        self._expired: dict[asyncio.Task, str] = {}
-        """Requests this watch cancelled at the deadline, each with why."""
-        self._watcher: asyncio.Task | None = None
-
-    async def track(self, path: str, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` (a request to ``path``) under the deadline."""
-        task = asyncio.ensure_future(coro)
-        if not self._pending:
-            self._life = self.clock()  # silence counts from when something is awaited
-        self._pending[task] = (path, self.clock())
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.ensure_future(self._watch())
-        try:
-            result = await task
-        except asyncio.CancelledError:
-            why = self._expired.get(task)
-            if why is not None:  # this watch cancelled it (else the caller was cancelled: that propagates)
-                raise EngineUnreachable(why) from None
-            raise
-        finally:
-            self._pending.pop(task, None)
-            self._expired.pop(task, None)
-        self._life = self.clock()
-        return result
-
-    async def stop(self) -> None:
-        """Stop probing (the engine closes)."""
-        if self._watcher is not None and not self._watcher.done():
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-
-    def describe(self) -> str:
-        now = self.clock()
-        paths = sorted({p for p, _ in self._pending.values()})
-        oldest = max((now - t for _, t in self._pending.values()), default=0.0)
-        return f"{len(self._pending)} request(s) pending ({', '.join(paths)}; the oldest for {oldest:.0f} s)"
-
-    async def _watch(self) -> None:
-        warned_at = None
-        while self._pending:
-            await asyncio.sleep(self.probe_s)
-            if not self._pending:
-                return
-            if any(path in self.EXEMPT for path, _ in self._pending.values()):
-                self._life, warned_at = self.clock(), None
-                continue
-            try:
-                status, _ = await asyncio.wait_for(self.transport.request("GET", f"{self.url}/health", None,
-                                                                          self.probe_s), self.probe_s)
-                if status < 500:
-                    self._life, warned_at = self.clock(), None
-            except (EngineUnreachable, asyncio.TimeoutError, OSError):
-                pass
-            silent = self.clock() - self._life
-            if silent >= self.timeout_s:
-                why = (f"{self.url}: the engine server gave no sign of life for {silent:.0f} s (no reply, and "
-                       f"/health unanswered; engine.health_timeout_s = {self.timeout_s:g}); {self.describe()}")
-                for task in list(self._pending):
-                    self._expired[task] = why
-                    task.cancel()
-                return
-            if silent >= self.warn_s and (warned_at is None or self.clock() - warned_at >= self.warn_s):
-                warned_at = self.clock()
-                self.warn(f"the engine server at {self.url} has not answered for {silent:.0f} s (/health "
-                          f"neither); {self.describe()}; failing at {self.timeout_s:g} s")
-
-
-class SGLangEngine:
+class SGLangEngine(HTTPEngine):
     """A ``RolloutEngine`` that talks to an SGLang server (or router) at ``url``.
 
     ``server``: a ``LocalEngineServer`` this engine owns and stops on ``close()``. ``transport``:
     how requests travel (default: ``AiohttpTransport``; tests put in a fake)."""
+
+    name = "sglang"
 
     def __init__(
         self,
@@ -216,21 +68,12 @@ class SGLangEngine:
         server: LocalEngineServer | None = None,
         transport: Transport | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
-        self.cfg = cfg
-        self.server = server
-        self._transport: Transport = transport if transport is not None else AiohttpTransport()
-        """Used on ``self._io``'s loop only."""
+        super().__init__(url, cfg, server, transport, exempt=CONTROL_PATHS)
         self._version = 0
         self._adapter_versions: dict[str, int] = {}
         """Version of the weights last loaded through this engine (0: the server's own)."""
-        self._io: LoopThread | None = None
-        self._io_lock = threading.Lock()
-        self._closed = False
         self._queued: list[tuple[list[GenerateRequest], asyncio.Future]] = []
         """Calls waiting for the coalescing window to close (on the callers' loop)."""
-        self._watch = HealthWatch(self.url, self._transport, cfg.health_warn_s, cfg.health_timeout_s)
-        """The health deadline of requests to the server (used on ``self._io``'s loop only)."""
 
     # ------------------------------------------------------------------------------ protocol
 
@@ -312,59 +155,6 @@ class SGLangEngine:
         finish reason ``abort`` and the tokens it has so far."""
         await self._post("/abort_request", {"abort_all": True})
 
-    async def health(self) -> bool:
-        """Whether ``/health`` answers 200 (False when it answers otherwise or not at all)."""
-        if self._closed:
-            return False
-        try:
-            request = self._transport.request("GET", f"{self.url}/health", None, _CONTROL_TIMEOUT_S)
-            status, _ = await self._on_io(request)
-        except EngineUnreachable:
-            return False
-        return status == 200
-
-    async def close(self) -> None:
-        """Close the HTTP client and its loop; stop the server if this engine launched it."""
-        self._closed = True
-        with self._io_lock:
-            io, self._io = self._io, None
-        if io is not None:
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._watch.stop(), io.loop))
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._transport.close(), io.loop))
-            await asyncio.to_thread(io.close)
-        if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
-
-    # ---------------------------------------------------------------------------------- HTTP
-
-    async def _on_io(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` run on the engine's I/O loop (cancelling the wait cancels it there)."""
-        with self._io_lock:
-            if self._io is None:
-                self._io = LoopThread("sglang-engine-io")
-                # an engine dropped without close() must not leave its loop thread running
-                weakref.finalize(self, _stop_loop, self._io.loop)
-            io = self._io
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, io.loop))
-
-    async def _post(self, path: str, body: dict[str, Any], timeout: float = _CONTROL_TIMEOUT_S) -> Any:
-        """POST ``body`` as JSON; the decoded JSON reply (None when the reply is not JSON)."""
-        if self._closed:
-            raise RuntimeError(f"SGLangEngine for {self.url} is closed")
-        url = f"{self.url}{path}"
-        status, data = await self._on_io(self._watch.track(path, self._transport.request("POST", url, body, timeout)))
-        if status >= 400:
-            raise EngineHTTPError(url, status, error_message(data))
-        try:
-            return json.loads(data)
-        except ValueError:
-            return None
-
-
-def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(loop.stop)
-
 
 # ------------------------------------------------------------------------------ JSON mapping
 
@@ -435,20 +225,3 @@ def parse_weight_version(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"weight_version {value!r} is not an integer version") from None
-
-
-def error_message(data: bytes) -> str:
-    """The message of an SGLang error reply: ``{"error": {"message"}}``, ``{"message"}`` or
-    ``{"detail"}`` (FastAPI), else the start of the body."""
-    try:
-        reply = json.loads(data)
-    except ValueError:
-        return data[:500].decode(errors="replace") or "(empty body)"
-    if isinstance(reply, dict):
-        err = reply.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("message", "error_message", "detail", "error"):
-            if reply.get(key):
-                return str(reply[key])
-    return str(reply)[:500]

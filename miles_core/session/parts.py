@@ -115,8 +115,13 @@ def setup_policy_engine(cfg: RunConfig, refs: RunRefs, engine_cfg=None):
     with LoRA, the run's adapter of it, so pushes load the adapter by name."""
     from miles_core.engines import setup_engine
 
+    from miles_core.storage.fs import is_local, open_fs
+
+    run_fs, run_path = open_fs(refs.run_dir, cfg.storage.storage_options)
+    log_dir = f"{run_path}/engine-logs" if is_local(run_fs) else None  # a launched server's log
     engine = setup_engine(engine_cfg or cfg.engine, refs.model_dir, cfg.model.dtype, cfg.seed,
-                          cfg.storage.storage_options)
+                          cfg.storage.storage_options, lora=cfg.lora is not None or cfg.multi_lora is not None,
+                          log_dir=log_dir)
     if cfg.lora is not None:
         from miles_core.engines.policy import AdapterPolicy
 

@@ -1,0 +1,89 @@
+"""Run a command in its own process group and take the group down with its parent.
+
+``python watchdog.py --parent-pid P [--log FILE] -- CMD ...`` (started by process ``P``) starts ``CMD`` in a new session, writes
+its output to ``FILE`` (else to this process's stdout), forwards SIGTERM and SIGINT to the whole
+group, and when process ``P`` is gone (the run that launched the server was killed, even with
+SIGKILL) terminates the group, killing it 10 s later. It exits with the command's exit code.
+
+Standard library only: it runs under another environment's Python (vLLM's, see
+``scripts/setup-vllm.sh``), which does not have this package installed; the launcher runs it by its
+file path. A server such as vLLM starts processes of its own (its engine core, workers): the group
+takes them down too, so no orphan keeps a port or a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GRACE_S = 10.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
+    """Signal the command's group, then kill it after ``GRACE_S``; the command's exit code."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log", help="file the command's output goes to (appended)")
+    parser.add_argument("--poll-s", type=float, default=0.5)
+    parser.add_argument("--cpu-affinity", help="cores the command (and what it starts) is pinned to, e.g. 1 or 0,1")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (after --)")
+    if args.cpu_affinity and hasattr(os, "sched_setaffinity"):  # inherited by the command and its children
+        os.sched_setaffinity(0, {int(c) for c in args.cpu_affinity.split(",")})
+    out = open(args.log, "ab", buffering=0) if args.log else None  # noqa: SIM115 (open for the command's life)
+    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    stopping = []
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        code = proc.poll()
+        if code is not None:
+            return code
+        if stopping:
+            return _stop_group(proc, stopping[0])
+        if os.getppid() != args.parent_pid or not _alive(args.parent_pid):  # reparented: the parent died
+            print(f"watchdog: parent {args.parent_pid} is gone; stopping {command[0]} (group {proc.pid})",
+                  file=sys.stderr, flush=True)
+            return _stop_group(proc)
+        time.sleep(args.poll_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
