@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# vLLM's own environment (its server runs there; tests/integration/test_engine_vllm.py): built once
+scripts/setup-vllm.sh >/dev/null
 # the UI test drives Debian's Chromium (headless); install it when missing and we may
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }) \

@@ -26,14 +26,14 @@ The mapping (vLLM 0.32; endpoints read in its source, ``vllm/entrypoints``):
 
 A result's ``weight_version`` is the version loaded when its request was sent (vLLM does not
 report one per completion): a request that straddles an update is counted as the older version,
-so staleness is never under-stated. Base-model and adapter requests never run at once
-(``_KindGate``): vLLM 0.32's CPU build returns wrong outputs when they share a batch.
+so staleness is never under-stated. Base-model and adapter requests share batches: an earlier
+note of this project saw wrong outputs when they did; with the launcher's settings (float32,
+``--enforce-eager``) the integration test co-batches both and their logprobs match PEFT's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import os
 import socket
@@ -75,7 +75,6 @@ class VLLMEngine(HTTPEngine):
         self._version = 0
         self._adapter_versions: dict[str, int] = {}
         self._paused = False
-        self._gate = _KindGate()
         self._stage: str | None = None
 
     @property
@@ -92,9 +91,8 @@ class VLLMEngine(HTTPEngine):
     async def _generate_one(self, req: GenerateRequest, model: str) -> GenerateResult:
         version = self._version if req.adapter is None else self._adapter_versions.get(req.adapter, 0)
         body = completion_body(req, model if req.adapter is None else req.adapter)
-        kind = "base" if req.adapter is None else "adapter"
         url = f"{self.url}/v1/completions"
-        reply = await self._gate.run(kind, self._post("/v1/completions", body, timeout=self.cfg.request_timeout_s))
+        reply = await self._post("/v1/completions", body, timeout=self.cfg.request_timeout_s)
         return parse_completion(reply, req.rid, version, url)
 
     async def update_weights(self, uri: str, version: int) -> None:
@@ -183,41 +181,6 @@ class VLLMEngine(HTTPEngine):
                 raise EngineHTTPError(f"{self.url}/v1/models", 200, f"no base model served: {reply!r}")
             self._model = names[0]
         return self._model
-
-
-class _KindGate:
-    """Requests of one kind (base model, adapters) at a time: a kind waits until the other's
-    requests are done, and once it waits, new requests of the running kind wait behind it (no
-    starvation). Used on one event loop (the engine's I/O loop: ``run`` is awaited there)."""
-
-    def __init__(self) -> None:
-        self._kind: str | None = None
-        self._running = 0
-        self._waiting: collections.Counter[str] = collections.Counter()
-        self._changed: asyncio.Condition | None = None
-
-    async def run(self, kind: str, coro):
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        async with self._changed:
-            self._waiting[kind] += 1
-            try:
-                await self._changed.wait_for(lambda: self._may_start(kind))
-            finally:
-                self._waiting[kind] -= 1
-            self._kind, self._running = kind, self._running + 1
-        try:
-            return await coro
-        finally:
-            async with self._changed:
-                self._running -= 1
-                self._changed.notify_all()
-
-    def _may_start(self, kind: str) -> bool:
-        if self._running == 0:
-            return True
-        others_waiting = any(n for k, n in self._waiting.items() if k != kind)
-        return self._kind == kind and not others_waiting
 
 
 # ------------------------------------------------------------------------------ JSON mapping

@@ -91,3 +91,196 @@ class TestVLLMEngineContract(EngineContract):
         """A fresh server (the seed of unseeded requests is the server's), owned by the engine."""
         server = LocalVLLMServer(model_dir, SERVER_CFG, seed=seed).start()
         return VLLMEngine(server.url, SERVER_CFG, server=server, model=SERVED_NAME)
+
+
+# ------------------------------------------------------------------------------ vLLM's own
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _adapter(model_dir, folder: Path, seed: int):
+    """A random (non-zero) rank-8 LoRA adapter of the model, saved in PEFT's format; the PEFT model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False))
+    peft.save_pretrained(folder)
+    return peft.eval()
+
+
+def test_adapters_serve_by_name_beside_the_base_model(server, tiny_model_dir, tok, tmp_path):
+    """Two adapters loaded by name (one replaced by a new version) generate as PEFT computes them,
+    in one batch with base-model requests (reported wrong once on vLLM's CPU build; right with the
+    launcher's float32 and eager mode); each result carries its adapter's version."""
+    import torch
+    from contract.engine_contract import recompute_logprobs, seeded_params
+
+    eng = client(server)
+    params = seeded_params()
+    base_alone = asyncio.run(eng.generate(requests(tok, params)))
+    adapters = {"a1": _adapter(tiny_model_dir, tmp_path / "a1-v1", 1), "a2": _adapter(tiny_model_dir, tmp_path / "a2", 2)}
+    asyncio.run(eng.load_adapter("a1", str(tmp_path / "a1-v1"), 1))
+    asyncio.run(eng.load_adapter("a2", str(tmp_path / "a2"), 4))
+    adapters["a1"] = _adapter(tiny_model_dir, tmp_path / "a1-v2", 3)  # a new version under the same name
+    asyncio.run(eng.load_adapter("a1", str(tmp_path / "a1-v2"), 2))
+    mixed = []
+    for name in (None, "a1", "a2"):
+        for q in requests(tok, params):
+            q.adapter, q.rid = name, f"{name}-{q.rid}"
+            mixed.append(q)
+    async def together():  # queued while paused: one batch of base and adapter requests
+        await eng.pause()
+        task = asyncio.create_task(eng.generate(mixed))
+        await asyncio.sleep(0.3)
+        await eng.resume()
+        return await task
+
+    results = asyncio.run(together())
+    assert [r.rid for r in results] == [q.rid for q in mixed]
+    n = len(PROMPTS)
+    assert [r.output_ids for r in results[:n]] == [r.output_ids for r in base_alone]
+    assert [r.weight_version for r in results] == [0] * n + [2] * n + [4] * n
+    for k, name in enumerate(("a1", "a2"), start=1):
+        chunk = results[k * n:(k + 1) * n]
+        assert [r.output_ids for r in chunk] != [r.output_ids for r in base_alone]
+        expected = recompute_logprobs(adapters[name], [q.prompt_ids for q in mixed[:n]], [r.output_ids for r in chunk], 1.0)
+        for r, exp in zip(chunk, expected):
+            assert torch.allclose(torch.tensor(r.logprobs), exp, atol=2e-4), (name, r.logprobs, exp.tolist())
+    asyncio.run(eng.close())
+
+
+def test_a_killed_run_leaves_no_vllm_process_behind(tiny_model_dir, tmp_path):
+    """The run's process dies by SIGKILL (no cleanup of its own): the watchdog takes the server's
+    process group (API server, engine core, worker) down within seconds."""
+    import signal
+    import sys
+
+    log = tmp_path / "server.log"
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from miles_core.config import VLLMEngineConfig\n"
+            "from miles_core.engines.vllm import LocalVLLMServer\n"
+            f"s = LocalVLLMServer({str(tiny_model_dir)!r}, VLLMEngineConfig(python={PYTHON!r}, max_model_len=128, "
+            f"startup_timeout_s=240), log_path={str(log)!r}).start()\n"
+            "print('ready', flush=True)\nimport time; time.sleep(600)\n")
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout.readline().strip() == "ready"
+        (watchdog,) = [p for p in _processes_with(str(log)) if "watchdog.py" in _cmdline(p)]
+        (api,) = [p for p in _live() if _parent(p) == watchdog]  # the server, in a process group of its own
+        group = os.getpgid(api)
+        assert group == api and "vllm.entrypoints.openai.api_server" in _cmdline(api)
+        assert len(_group(group)) >= 3, "expected vLLM's API server, engine core and worker in one group"
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        deadline = time.monotonic() + 30
+        while _group(group) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _group(group), f"vLLM processes outlived the run: {[_cmdline(p) for p in _group(group)]}"
+    finally:
+        run.kill()
+
+
+def _live() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    return [p for p in _live() if text in _cmdline(p)]
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``."""
+    out = []
+    for p in _live():
+        try:
+            if os.getpgid(p) == pgid:
+                out.append(p)
+        except OSError:
+            continue
+    return out
+
+
+# ------------------------------------------------------------------------------------- runs
+
+VLLM_ENGINE = {"type": "vllm", "python": PYTHON, "num_threads": 1, "max_model_len": 64,
+               "cpu_affinity": SERVER_CFG.cpu_affinity}
+LORA = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def test_a_fully_async_run_on_vllm_improves_held_out_accuracy(prefect_backend, demo_model, tmp_path):
+    """The toy task, fully async, with vLLM generating (the producer's engine and the evaluation
+    engine are vLLM servers the run launches): held-out accuracy rises as with the transformers
+    engine; both servers' logs are in the run folder, and no vLLM process outlives the run."""
+    from test_modes import _rows, _run_cfg
+
+    from flows.train import train
+
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async", engine=VLLM_ENGINE,
+                   mode={"max_weight_staleness": 2, "max_concurrent_samples": 128})
+    state = train(cfg, return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.1, summary
+    rows = _rows(summary["run_dir"], "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 13)) and max(r["staleness_max"] for r in rows) <= 2
+    logs = sorted((Path(summary["run_dir"]) / "engine-logs").glob("vllm-*.log"))
+    assert len(logs) == 2 and all("Starting vLLM server" in f.read_text() for f in logs)  # rollout + evaluation
+    assert not _processes_with(str(Path(summary["run_dir"]) / "engine-logs")), "a vLLM server outlived the run"
+
+
+def test_per_adapter_multi_lora_rollouts_on_vllm(prefect_backend, demo_model, tmp_path):
+    """Multi-LoRA with each adapter generating its own groups on one vLLM server (adapters loaded by
+    name, a new version after every step): both adapters train every step, from samples their own
+    adapter generated, never more than 2 versions stale."""
+    from test_modes import _rows, _run_cfg
+
+    from flows.multi_lora import train_multi_lora
+    from miles_core.storage import SampleStream
+
+    adapters = [{"name": "left", "train": {"lr": 3e-3}}, {"name": "right", "train": {"lr": 3e-3}}]
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, engine=VLLM_ENGINE, rollout={"num_rollout": 6},
+                   eval={"eval_interval": None, "num_prompts": 64},
+                   multi_lora={"adapters": adapters, "rollout_source": "per_adapter"},
+                   mode={"max_weight_staleness": 2, "max_concurrent_samples": 128})
+    state = train_multi_lora(cfg, return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["failed_adapters"] == [] and summary["audit"]["ok"], summary["audit"]
+    run_dir = Path(summary["run_dir"])
+    samples = [s for seg in SampleStream(str(run_dir)).sibling("rollout-m0").read() for s in seg.samples()]
+    assert {s.adapter for s in samples} == {"left", "right"}
+    for name in ("left", "right"):
+        rows = _rows(str(run_dir / "adapters" / name), "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(1, 7)) and max(r["staleness_max"] for r in rows) <= 2
+    assert not _processes_with(str(run_dir)), "a vLLM server outlived the run"
