@@ -1,0 +1,164 @@
+"""VLLMEngine's mapping against a fake transport (the requests it sends, the replies it reads,
+the order of a weight update) and its snapshot checks; no server. The contract over a real vLLM
+server is in tests/integration/test_engine_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_core.config import RunConfig, VLLMEngineConfig
+from miles_core.engines.base import GenerateRequest, SamplingParams
+from miles_core.engines.http import EngineHTTPError
+from miles_core.engines.vllm import VLLMEngine, check_snapshot, local_path
+
+URL = "http://vllm.test:8000"
+
+
+class FakeTransport:
+    def __init__(self, handler) -> None:
+        self.handler, self.seen = handler, []
+
+    async def request(self, method, url, body, timeout):
+        self.seen.append((method, url.removeprefix(URL), body))
+        status, reply = self.handler(method, url.removeprefix(URL), body)
+        return status, json.dumps(reply).encode()
+
+    async def close(self):
+        pass
+
+
+def completion(ids, logprobs, finish="stop", text="ab"):
+    return {"choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish,
+                         "logprobs": {"token_logprobs": logprobs, "tokens": [f"token_id:{i}" for i in ids]}}]}
+
+
+def engine(handler, **kw):
+    transport = FakeTransport(handler)
+    return VLLMEngine(URL, VLLMEngineConfig(url=URL), transport=transport, **kw), transport.seen
+
+
+def run(eng, coro):
+    try:
+        return asyncio.run(coro)
+    finally:
+        asyncio.run(eng.close())
+
+
+def test_a_request_is_one_completion_with_every_sampling_field_and_token_ids_both_ways():
+    def handler(method, path, body):
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "lora-x", "parent": "m"}, {"id": "m", "parent": None}]}
+        return 200, completion([7, 8, 1], [-0.5, -0.25, -0.125])
+
+    eng, seen = engine(handler)
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=4, stop=("\n",), stop_token_ids=(9,), seed=3)
+    (r,) = run(eng, eng.generate([GenerateRequest([1, 2, 3], params, rid="q1")]))
+    assert (r.output_ids, r.logprobs, r.finish_reason, r.rid, r.weight_version) == ([7, 8, 1], [-0.5, -0.25, -0.125], "stop", "q1", 0)
+    body = seen[-1][2]
+    assert seen[0][:2] == ("GET", "/v1/models") and seen[-1][:2] == ("POST", "/v1/completions")
+    assert body["model"] == "m" and body["prompt"] == [1, 2, 3]  # the base model: the entry without a parent
+    assert {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed")} == \
+        {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 4, "stop": ["\n"], "stop_token_ids": [9], "seed": 3}
+    assert body["logprobs"] == 0 and body["return_token_ids"] and body["include_stop_str_in_output"]
+    assert body["request_id"].startswith("q1-")
+
+
+def test_finish_reasons_and_replies_that_do_not_fit_name_the_url():
+    replies = iter([completion([4], [-1.0], "length"), completion([4], [-1.0], "repetition"),
+                    completion([4, 5], [-1.0], "stop"), completion([4], [-1.0], "error")])
+    eng, _ = engine(lambda *a: (200, next(replies)), model="m")
+
+    async def calls():
+        out = []
+        for _ in range(4):
+            try:
+                out.append((await eng.generate([GenerateRequest([1])]))[0].finish_reason)
+            except EngineHTTPError as e:
+                out.append(str(e))
+        return out
+
+    length, repetition, short, error = run(eng, calls())
+    assert (length, repetition) == ("length", "stop")  # vLLM's repetition stop reads as a stop
+    assert "/v1/completions answered HTTP 200" in short and "2 token ids but 1 logprobs" in short
+    assert "finish_reason 'error'" in error
+
+
+def test_a_weight_update_pauses_reloads_the_folder_resets_the_cache_and_resumes(tmp_path):
+    eng, seen = engine(lambda *a: (200, {}), model="m")
+    folder = tmp_path / "v3"
+    folder.mkdir()
+    run(eng, eng.update_weights(folder.as_uri(), 3))
+    assert [(m, p) for m, p, _ in seen] == [("POST", "/pause?mode=keep"), ("POST", "/collective_rpc"),
+                                           ("POST", "/reset_prefix_cache"), ("POST", "/update_weight_version"),
+                                           ("POST", "/resume")]
+    assert seen[1][2] == {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+    assert seen[3][2] == {"new_version": "3"} and eng.weight_version == 3
+
+
+def test_a_failed_reload_keeps_the_version_and_resumes():
+    def handler(method, path, body):
+        return (500, {"error": {"message": "reload broke"}}) if path == "/collective_rpc" else (200, {})
+
+    eng, seen = engine(handler, model="m")
+    with pytest.raises(EngineHTTPError, match="collective_rpc answered HTTP 500: reload broke"):
+        run(eng, eng.update_weights("/w/v4", 4))
+    assert eng.weight_version == 0 and seen[-1][1] == "/resume"
+
+
+def test_adapters_load_by_name_in_place_after_the_first_and_stamp_their_version():
+    eng, seen = engine(lambda m, p, b: (200, completion([2], [-0.1]) if p == "/v1/completions" else {}), model="m")
+
+    async def body():
+        await eng.load_adapter("a", "/w/a-v1", 1)
+        await eng.load_adapter("a", "/w/a-v2", 2)
+        return await eng.generate([GenerateRequest([1], adapter="a")])
+
+    (r,) = run(eng, body())
+    loads = [b for _, p, b in seen if p == "/v1/load_lora_adapter"]
+    assert loads == [{"lora_name": "a", "lora_path": "/w/a-v1", "load_inplace": False},
+                     {"lora_name": "a", "lora_path": "/w/a-v2", "load_inplace": True}]
+    assert seen[-1][2]["model"] == "a" and r.weight_version == 2
+
+
+def test_snapshots_are_checked_against_the_served_model(tmp_path):
+    served = tmp_path / "model"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    state = {"model.embed_tokens.weight": torch.ones(4, 2), "model.norm.weight": torch.ones(2)}
+    save_file(state, str(served / "model.safetensors"))
+    good = tmp_path / "good.safetensors"
+    save_file({k: v * 2 for k, v in state.items()}, str(good))
+    assert set(check_snapshot("good", str(good), str(served))) == set(state)
+    bad = tmp_path / "bad.safetensors"
+    save_file({"model.embed_tokens.weight": torch.ones(4, 3), "extra.w": torch.ones(1)}, str(bad))
+    with pytest.raises(ValueError, match=r"weights s3-ish do not fit .*not weights of the served model: extra.w; "
+                                         r"missing: model.norm.weight; other shapes: model.embed_tokens.weight"):
+        check_snapshot("s3-ish", str(bad), str(served))
+    # a tied model's snapshot without lm_head.weight is staged with it (vLLM's reload would keep the old head)
+    eng, seen = engine(lambda *a: (200, {}), model="m", model_dir=str(served))
+    run(eng, eng.update_weights(str(good), 1))
+    stage = seen[1][2]["kwargs"]["weights_path"]
+    head = load_file(f"{stage}/lm_head.safetensors")["lm_head.weight"]
+    assert torch.equal(head, state["model.embed_tokens.weight"] * 2)
+    assert load_file(f"{stage}/model.safetensors").keys() == state.keys()
+
+
+def test_weights_must_be_on_the_servers_disk():
+    assert local_path("file:///w/v1") == "/w/v1" and local_path("/w/v1") == "/w/v1"
+    with pytest.raises(ValueError, match="s3://b/w/v1: a vLLM server loads weights from a folder on its own disk"):
+        local_path("s3://b/w/v1")
+
+
+def test_the_vllm_engine_is_a_config_choice():
+    server = {"engine": {"type": "vllm", "url": "http://10.0.0.5:8000"}}
+    cfg = RunConfig.model_validate({**server, "eval": {"engine": "shared"}})
+    assert isinstance(cfg.engine, VLLMEngineConfig) and cfg.engine.url == "http://10.0.0.5:8000"
+    with pytest.raises(ValueError, match="needs an evaluation engine of its own"):  # as for an SGLang server
+        RunConfig.model_validate(server)
+    with pytest.raises(ValueError, match="must start with http"):
+        VLLMEngineConfig(url="10.0.0.5:8000")
