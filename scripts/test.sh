@@ -6,6 +6,13 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 # vLLM's own environment (its server runs there; tests/integration/test_engine_vllm.py): built once
 scripts/setup-vllm.sh >/dev/null
+# SGLang's package alone (no dependencies, not importable here): tests/unit/test_sglang_types.py reads
+# its request types' source; the version is SGLANG_VERSION in miles_core/engines/sglang.py
+SGLANG_VERSION=$(sed -n 's/^SGLANG_VERSION = "\(.*\)"/\1/p' miles_core/engines/sglang.py)
+if [ ! -d ".cache/sglang-types/sglang-$SGLANG_VERSION.dist-info" ]; then
+  rm -rf .cache/sglang-types
+  .venv/bin/python -m pip install -q --no-deps --target .cache/sglang-types "sglang==$SGLANG_VERSION"
+fi
 # the UI test drives Debian's Chromium (headless); install it when missing and we may
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }) \

@@ -11,7 +11,8 @@ Parts:
   request and cancelling it disconnects it.
 - ``request_body`` / ``parse_result``: the JSON mapping of one call, both ways (pure functions).
 
-The mapping (SGLang 0.5.x): each request's ``SamplingParams`` become one ``sampling_params`` dict
+The mapping (SGLang 0.5.23: ``tests/unit/test_sglang_types.py`` checks every body against that version's
+request types, read from its source): each request's ``SamplingParams`` become one ``sampling_params`` dict
 (``seed`` travels as ``sampling_seed``; ``no_stop_trim`` keeps a matched stop string in the text,
 as the protocol wants); ``return_logprob`` with ``logprob_start_len = -1`` asks for output-token
 logprobs only, which come back as ``meta_info.output_token_logprobs`` ``[logprob, token_id, text]``
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 
 PAUSE_MODE = "in_place"
 """``/pause_generation`` mode of ``pause()``: hold new requests, keep running ones (no abort)."""
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose request types and response shapes the client is checked against
+(``scripts/test.sh`` installs its package alone for that test)."""
 CONTROL_PATHS = ("/update_weights_from_disk", "/pause_generation", "/load_lora_adapter", "/unload_lora_adapter")
 """Control calls that may hold the server for a while (not a sign of a dead server)."""
 

@@ -405,6 +405,24 @@ class EngineContract:
 # ---------------------------------------------------------------------------------- helpers
 
 
+def build_server_model(folder) -> str:
+    """The contract's kind of model (random tiny Llama, character tokenizer) in a shape real servers
+    take: head size 32 (vLLM's CPU attention has no kernel for 16), and room for 2,000-token
+    responses (vLLM refuses a request longer than ``max_position_embeddings``; RoPE itself has no
+    limit, and the reference forward reads the same folder)."""
+    import json
+    from pathlib import Path
+
+    from miles_core.config import TinyModelRecipe
+    from miles_core.models.tiny import build_untrained
+
+    torch.set_num_threads(1)
+    build_untrained(TinyModelRecipe(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128), folder)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    (Path(folder) / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return str(folder)
+
+
 def requests(tok, params: SamplingParams, prompts: list[str] = PROMPTS) -> list[GenerateRequest]:
     return [GenerateRequest(tok.encode(p), params, rid=f"r{i}") for i, p in enumerate(prompts)]
 

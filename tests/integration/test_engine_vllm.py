@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from contract.engine_contract import PROMPTS, EngineContract, greedy_params, requests
+from contract.engine_contract import PROMPTS, EngineContract, build_server_model, requests
 
 from miles_core.config import VLLMEngineConfig
-from miles_core.engines.base import SamplingParams
 from miles_core.engines.vllm import DEFAULT_PYTHON, SERVED_NAME, LocalVLLMServer, VLLMEngine
 
 pytestmark = pytest.mark.integration
@@ -31,23 +30,8 @@ SERVER_CFG = VLLMEngineConfig(python=PYTHON, cpu_affinity=[1] if len(os.sched_ge
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    """The contract's kind of model (random tiny Llama, character tokenizer) in a shape vLLM's CPU
-    attention takes: head size 32 (it has no kernel for the conftest model's 16), and room for
-    2,000-token responses (vLLM refuses a request longer than ``max_position_embeddings``; RoPE
-    itself has no limit, and the reference forward reads the same folder)."""
-    import json
-
-    import torch
-
-    from miles_core.config import TinyModelRecipe
-    from miles_core.models.tiny import build_untrained
-
-    torch.set_num_threads(1)
-    folder = build_untrained(TinyModelRecipe(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
-                             tmp_path_factory.mktemp("tiny-model-vllm"))
-    config = json.loads((Path(folder) / "config.json").read_text())
-    (Path(folder) / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    return folder
+    """The contract's kind of model in a shape vLLM's CPU build takes (``build_server_model``)."""
+    return build_server_model(tmp_path_factory.mktemp("tiny-model-vllm"))
 
 
 @pytest.fixture(scope="module")

@@ -55,3 +55,8 @@ def test_the_readmes_commands_run(demo_model, tmp_path):
     usage = subprocess.run([str(REPO / ".venv" / "bin" / "miles"), "train", "--help"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
     assert usage.returncode == 0 and "--lora-count" in usage.stdout and "--use-wandb" in usage.stdout
+    # the GPU check the README documents: here (no CUDA device) it skips, saying why, with exit code 0
+    assert "scripts/gpu_check.sh" in readme
+    check = subprocess.run(["scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True).returncode != 0:
+        assert check.returncode == 0 and "skipped: no CUDA device" in check.stdout, check.stdout + check.stderr

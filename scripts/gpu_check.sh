@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The real engines on a CUDA machine, in one run of under 8 minutes. For SGLang and for vLLM (each
+# when installed): the engine contract against a real server, generation tokens/s at 64 concurrent
+# requests and the weight-push pause in ms, then a 20-step fully-async toy run with that engine.
+# Skips, saying why, where there is no CUDA device or no engine.
+#
+#   scripts/gpu_check.sh [MODEL_DIR]     # the model to measure (default: the built-in tiny model)
+#
+# Needs: an NVIDIA GPU (nvidia-smi); this project's .venv (scripts/setup.sh: the trainer runs on CPU);
+# sglang and/or vllm installed in a Python named by MILES_SGLANG_PYTHON / MILES_VLLM_PYTHON (default:
+# python3, when it imports them), e.g. `python3 -m venv /opt/sgl && /opt/sgl/bin/pip install sglang`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: skipped: no CUDA device (nvidia-smi -L found none)"
+  exit 0
+fi
+scripts/setup.sh
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+export PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect-test-home}"
+exec timeout 470 .venv/bin/python scripts/gpu_check.py "$@"

@@ -1,0 +1,168 @@
+"""Every request body SGLangEngine sends, checked against SGLang's own request types, and our
+parser against the response shapes SGLang's source builds, for the version pinned here.
+
+SGLang cannot run on this machine (its CPU kernels are not on PyPI), and importing its request
+module pulls most of its runtime; so ``scripts/test.sh`` installs the package alone (``pip install
+--no-deps --target .cache/sglang-types sglang==SGLANG_VERSION``) and this test reads its source:
+the fields of ``GenerateReqInput``, ``SamplingParams``, ``UpdateWeightFromDiskReqInput``,
+``LoadLoRAAdapterReqInput``, ``PauseGenerationReqInput``, ``ContinueGenerationReqInput`` and
+``AbortReq`` (with their base classes), and the routes of its HTTP server. A field we send that
+SGLang no longer has fails here, naming it.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import typing
+from pathlib import Path
+
+import pytest
+
+from miles_core.config import SGLangEngineConfig
+from miles_core.engines.base import GenerateRequest, SamplingParams
+from miles_core.engines.sglang import SGLANG_VERSION, SGLangEngine, parse_result
+
+SOURCE = Path(__file__).resolve().parents[2] / ".cache" / "sglang-types" / "sglang"
+SRT = SOURCE / "srt"
+
+if not SRT.is_dir():
+    if os.environ.get("CI"):
+        pytest.fail(f"SGLang's source is missing ({SOURCE}): scripts/test.sh installs it", pytrace=False)
+    pytest.skip(f"SGLang's source is not installed ({SOURCE}): run scripts/test.sh", allow_module_level=True)
+
+
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
+
+
+IO = _classes(SRT / "managers" / "io_struct.py")
+
+
+def fields(name: str, classes: dict[str, ast.ClassDef] = IO) -> dict[str, ast.AnnAssign]:
+    """A class's annotated fields, its bases' (in the same module) included."""
+    cls = classes[name]
+    out: dict[str, ast.AnnAssign] = {}
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            out.update(fields(base.id, classes))
+    out.update({n.target.id: n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)})
+    return out
+
+
+class Recorder:
+    """A transport that answers like SGLang and keeps every (path, body) sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    async def request(self, method, url, body, timeout):
+        path = url.split(":30000", 1)[1]
+        if body is not None:
+            self.sent.append((path, body))
+        if path == "/generate":
+            n = len(body["input_ids"])
+            return 200, json.dumps([{"text": "x", "meta_info": {"output_token_logprobs": [[-0.5, 7, None]],
+                                    "finish_reason": {"type": "length", "length": 1}, "weight_version": "0"}}] * n).encode()
+        return 200, b'{"success": true}'
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def sent() -> list[tuple[str, dict]]:
+    """Every kind of call the client makes, as it sends it."""
+    recorder = Recorder()
+    eng = SGLangEngine("http://sglang.test:30000", SGLangEngineConfig(url="http://sglang.test:30000", coalesce_window_s=0),
+                       transport=recorder)
+
+    async def calls():
+        full = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, stop=("\n",),
+                              stop_token_ids=(2,), seed=3)
+        await eng.generate([GenerateRequest([1, 2], full, rid="a", adapter="math"), GenerateRequest([3], rid="b")])
+        await eng.update_weights("/w/v1", 1)
+        await eng.load_adapter("math", "/w/math-v1", 1)
+        await eng.pause()
+        await eng.resume()
+        await eng.abort()
+        await eng.close()
+
+    asyncio.run(calls())
+    return recorder.sent
+
+
+def test_the_pinned_sglang_is_the_one_installed():
+    (dist,) = SOURCE.parent.glob("sglang-*.dist-info")
+    assert dist.name == f"sglang-{SGLANG_VERSION}.dist-info", (
+        f"{dist.name} installed, SGLANG_VERSION = {SGLANG_VERSION}: change both together (scripts/test.sh)")
+
+
+ROUTES = {
+    "/generate": "GenerateReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/abort_request": "AbortReq",
+}
+
+
+def test_every_body_we_send_has_only_fields_of_sglangs_request_type(sent):
+    assert {path for path, _ in sent} == set(ROUTES)
+    for path, body in sent:
+        known = fields(ROUTES[path])
+        unknown = sorted(set(body) - set(known))
+        assert not unknown, f"{path}: SGLang {SGLANG_VERSION}'s {ROUTES[path]} has no field {unknown}"
+    required = {"UpdateWeightFromDiskReqInput": {"model_path"}, "LoadLoRAAdapterReqInput": {"lora_name", "lora_path"}}
+    for path, body in sent:
+        missing = {f for f in required.get(ROUTES[path], ()) if f not in body}
+        assert not missing, f"{path}: we leave out {missing}, which SGLang requires"
+
+
+def test_every_sampling_param_we_send_is_one_of_sglangs(sent):
+    sampling = fields("SamplingParams", _classes(SRT / "sampling" / "sampling_params.py"))
+    (generate,) = [body for path, body in sent if path == "/generate"]
+    sent_keys = {k for params in generate["sampling_params"] for k in params}
+    assert {"sampling_seed", "no_stop_trim", "stop_token_ids", "max_new_tokens"} <= sent_keys
+    assert not sent_keys - set(sampling), f"SGLang {SGLANG_VERSION}'s SamplingParams has no {sent_keys - set(sampling)}"
+
+
+def test_our_pause_mode_is_one_sglang_takes(sent):
+    mode = fields("PauseGenerationReqInput")["mode"].annotation
+    allowed = {elt.value for elt in mode.slice.elts} if isinstance(mode.slice, ast.Tuple) else {mode.slice.value}
+    (pause,) = [body for path, body in sent if path == "/pause_generation"]
+    assert pause["mode"] in allowed, (pause["mode"], allowed)
+
+
+def test_the_routes_we_call_exist():
+    server = (SRT / "entrypoints" / "http_server.py").read_text()
+    for path in [*ROUTES, "/health"]:
+        assert f'"{path}"' in server, f"SGLang {SGLANG_VERSION}'s HTTP server has no route {path}"
+
+
+def test_our_parser_reads_the_response_shapes_sglang_builds():
+    """``meta_info`` as SGLang's tokenizer manager fills it: ``output_token_logprobs`` triples
+    ``(logprob, token_id, text or None)``, ``finish_reason`` one of its finish classes' ``to_json``,
+    ``weight_version`` a string."""
+    manager = (SRT / "managers" / "tokenizer_manager.py").read_text()
+    assert "(logprob, token_id, None)" in manager and '"weight_version"' in manager
+    assert 'meta_info["output_token_logprobs"]' in manager
+    batch = (SRT / "managers" / "schedule_batch.py").read_text()
+    for kind in ("stop", "length", "abort"):
+        assert f'"type": "{kind}"' in batch, kind
+    shapes = [({"type": "stop", "matched": 2}, "stop"), ({"type": "length", "length": 3}, "length"),
+              ({"type": "abort", "message": "x", "status_code": 400, "err_type": None}, "abort")]
+    for finish, expected in shapes:
+        item = {"text": "ab", "meta_info": {"output_token_logprobs": [(-0.1, 5, None), (-0.2, 6, None)],
+                                            "finish_reason": finish, "weight_version": "7"}}
+        r = parse_result(json.loads(json.dumps(item)), "q", "/generate")
+        assert (r.output_ids, r.logprobs, r.finish_reason, r.weight_version) == ([5, 6], [-0.1, -0.2], expected, 7)
+
+
+def test_the_checked_types_are_what_the_engine_module_documents():
+    import miles_core.engines.sglang as module
+
+    assert f"SGLang {SGLANG_VERSION}" in typing.cast(str, module.__doc__)
