@@ -44,6 +44,15 @@ def tiny_model_dir(tmp_path_factory):
     return build_server_model(tmp_path_factory.mktemp("tiny-model-gpu"))
 
 
+async def restore(client, model_dir: str) -> None:
+    """Put a shared server back as a fresh one (nothing running or paused, the original weights)
+    through ``client``, then close it."""
+    await client.abort()
+    await client.resume()
+    await client.update_weights(model_dir, 0)
+    await client.close()
+
+
 class SGLangServer:
     """``python -m sglang.launch_server`` over ``model_dir`` under our watchdog (its group goes down
     with this process), waited for on ``/health``."""
@@ -98,15 +107,7 @@ class TestSGLangServerContract(EngineContract):
         eng = SGLangEngine(server.url, cfg)
         yield eng
         asyncio.run(eng.close())
-        restore = SGLangEngine(server.url, cfg)
-
-        async def back():
-            await restore.abort()
-            await restore.resume()
-            await restore.update_weights(str(tiny_model_dir), 0)
-            await restore.close()
-
-        asyncio.run(back())
+        asyncio.run(restore(SGLangEngine(server.url, cfg), str(tiny_model_dir)))
 
     def make_engine(self, model_dir: str, seed: int = 0):
         server = SGLangServer(engine_python("sglang"), model_dir, seed=seed).start()
@@ -136,15 +137,8 @@ class TestVLLMServerContract(EngineContract):
         eng = VLLMEngine(server.url, self.cfg(), model=SERVED_NAME, model_dir=str(tiny_model_dir))
         yield eng
         asyncio.run(eng.close())
-        restore = VLLMEngine(server.url, self.cfg(), model=SERVED_NAME, model_dir=str(tiny_model_dir))
-
-        async def back():
-            await restore.abort()
-            await restore.resume()
-            await restore.update_weights(str(tiny_model_dir), 0)
-            await restore.close()
-
-        asyncio.run(back())
+        asyncio.run(restore(VLLMEngine(server.url, self.cfg(), model=SERVED_NAME, model_dir=str(tiny_model_dir)),
+                            str(tiny_model_dir)))
 
     def make_engine(self, model_dir: str, seed: int = 0):
         server = LocalVLLMServer(model_dir, self.cfg(), seed=seed).start()
