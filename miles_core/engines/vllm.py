@@ -63,19 +63,25 @@ class VLLMEngine(HTTPEngine):
     base model (None: the first of ``GET /v1/models`` without a parent). ``server``: a
     ``LocalVLLMServer`` this engine owns and stops on ``close()``. ``model_dir``: the served model's
     folder, which weight snapshots are checked against before a reload (default: the launched
-    server's; None with a server at a URL: not checked)."""
+    server's; None with a server at a URL: not checked). Weights and adapters on remote storage
+    (``s3://...``, read with ``storage_options``) are copied to this machine's disk first when the
+    server runs here (launched, or at a loopback URL); a remote server must read them itself."""
 
     name = "vllm"
 
     def __init__(self, url: str, cfg: VLLMEngineConfig, server: LocalVLLMServer | None = None,
-                 transport: Transport | None = None, model: str | None = None, model_dir: str | None = None) -> None:
+                 transport: Transport | None = None, model: str | None = None, model_dir: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, cfg, server, transport, exempt=CONTROL_PATHS)
+        self.storage_options = dict(storage_options or {})
+        self._adapter_paths: dict[str, str] = {}
         self._model = model
         self.model_dir = model_dir if model_dir is not None else getattr(server, "model_dir", None)
         self._version = 0
         self._adapter_versions: dict[str, int] = {}
         self._paused = False
-        self._stage: str | None = None
+        self._copies: list[str] = []
+        """Folders made for the loaded version (copies, staging): removed when the next one loads."""
 
     @property
     def weight_version(self) -> int:
@@ -101,7 +107,7 @@ class VLLMEngine(HTTPEngine):
         new weights). With a launched server, the snapshot's tensors are checked against the served
         model's first: vLLM reloads in place, tensor by tensor, and would keep the old values of
         missing ones."""
-        path = await asyncio.to_thread(self._snapshot_folder, uri)
+        path, made = await asyncio.to_thread(self._snapshot_folder, uri)
         paused_here = not self._paused
         if paused_here:
             await self._post("/pause?mode=keep")
@@ -111,22 +117,25 @@ class VLLMEngine(HTTPEngine):
             await self._post("/reset_prefix_cache")
             await self._post("/update_weight_version", {"new_version": str(version)})
             self._version = version
-            self._drop_stage(path)
+            _remove([f for f in self._copies if f not in made])
+            self._copies = made
         finally:
             if paused_here:
                 await self._post("/resume")
 
-    def _snapshot_folder(self, uri: str) -> str:
+    def _snapshot_folder(self, uri: str) -> tuple[str, list[str]]:
         """The folder vLLM reloads ``uri`` from: the snapshot folder itself, or a staging folder of
         links to its files when it is one file (vLLM reads folders) or when the served model ties
         ``lm_head`` to the embeddings and the snapshot leaves ``lm_head.weight`` out: vLLM 0.32's
         in-place reload then keeps the old ``lm_head`` (measured: logprobs off by 0.44 on the tiny
-        model), so the staging folder adds it, a copy of the new embeddings."""
-        path = local_path(uri)
+        model), so the staging folder adds it, a copy of the new embeddings. Also the folders made on
+        the way (a copy of remote weights, the staging folder), removed once the next version loads."""
+        path = self._local(uri)
+        made = [path] if path != local_path_or_none(uri) else []
         given = check_snapshot(uri, path, self.model_dir) if self.model_dir is not None else None
         add_head = given is not None and "lm_head.weight" not in given and _ties_embeddings(self.model_dir)
         if not os.path.isfile(path) and not add_head:
-            return path
+            return path, made
         key = hashlib.sha1(f"{os.path.abspath(path)}:{os.stat(path).st_mtime_ns}".encode()).hexdigest()[:16]
         stage = Path(tempfile.gettempdir()) / "miles-vllm-stage" / key
         stage.mkdir(parents=True, exist_ok=True)
@@ -145,21 +154,42 @@ class VLLMEngine(HTTPEngine):
             if add_head:
                 data.setdefault("weight_map", {})["lm_head.weight"] = "lm_head.safetensors"
             (stage / index.name).write_text(json.dumps(data))
-        return str(stage)
+        return str(stage), made + [str(stage)]
 
-    def _drop_stage(self, folder: str) -> None:
-        """Remove the staging folder of the version before ``folder`` (links, and a copied head)."""
-        import shutil
+    def _local(self, uri: str) -> str:
+        """A path on this machine for ``uri``: itself when local; for remote storage, a copy of its
+        file or folder (when the server runs here and so reads this disk)."""
+        if uri.startswith("file://") or "://" not in uri:
+            return local_path(uri)
+        from urllib.parse import urlparse
 
-        previous, self._stage = self._stage, folder if "miles-vllm-stage" in folder else None
-        if previous is not None and previous != folder:
-            shutil.rmtree(previous, ignore_errors=True)
+        if self.server is None and urlparse(self.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+            return local_path(uri)  # raises: a server elsewhere reads its own disk
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
+        dest = Path(tempfile.gettempdir()) / "miles-vllm-stage" / f"fetch-{hashlib.sha1(uri.encode()).hexdigest()[:16]}"
+        if fs.isdir(path):
+            for remote in fs.find(path):
+                target = dest / os.path.relpath(remote, path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(remote, str(target))
+        elif fs.exists(path):
+            dest.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(dest / "model.safetensors"))
+        else:
+            raise FileNotFoundError(f"weights {uri}: no such file or folder")
+        return str(dest)
 
     async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
         """Load (or replace) adapter ``name`` from the PEFT folder ``uri``."""
-        body = {"lora_name": name, "lora_path": local_path(uri), "load_inplace": name in self._adapter_versions}
+        path = await asyncio.to_thread(self._local, uri)
+        body = {"lora_name": name, "lora_path": path, "load_inplace": name in self._adapter_versions}
         await self._post("/v1/load_lora_adapter", body, timeout=self.cfg.request_timeout_s)
         self._adapter_versions[name] = version
+        previous, self._adapter_paths[name] = self._adapter_paths.get(name), path
+        if previous != path and previous != local_path_or_none(previous or ""):  # our copy of an older version
+            _remove([previous])
 
     async def pause(self) -> None:
         await self._post("/pause?mode=keep")
@@ -294,6 +324,21 @@ def _tensor_shapes(path: str) -> dict[str, list[int]]:
             header = json.loads(fh.read(n))
         shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
     return shapes
+
+
+def _remove(folders: list[str]) -> None:
+    import shutil
+
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def local_path_or_none(uri: str) -> str | None:
+    """``local_path(uri)``, or None for remote storage."""
+    try:
+        return local_path(uri)
+    except ValueError:
+        return None
 
 
 def local_path(uri: str) -> str:

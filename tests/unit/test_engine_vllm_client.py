@@ -162,3 +162,42 @@ def test_the_vllm_engine_is_a_config_choice():
         RunConfig.model_validate(server)
     with pytest.raises(ValueError, match="must start with http"):
         VLLMEngineConfig(url="10.0.0.5:8000")
+
+
+def test_weights_on_remote_storage_are_copied_for_a_server_on_this_machine():
+    """A snapshot and an adapter on object storage (``memory://`` here, ``s3://`` in a run): a server
+    at a loopback URL (or launched) reloads from a local copy; the copy of the version before is
+    removed once the next one is loaded."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for version in (1, 2):
+        with fs.open(f"/run/weights/v{version}/model.safetensors", "wb") as f:
+            f.write(b"weights")
+    fs.pipe_file("/run/adapters/a/v1/adapter_config.json", b"{}")
+    seen = []
+
+    class Local(FakeTransport):
+        async def request(self, method, url, body, timeout):
+            seen.append((url.split(":8000", 1)[1], body))
+            return 200, b"{}"
+
+    eng = VLLMEngine("http://127.0.0.1:8000", VLLMEngineConfig(url="http://127.0.0.1:8000"), transport=Local(None),
+                     model="m")
+
+    async def body():
+        await eng.update_weights("memory://run/weights/v1", 1)
+        await eng.update_weights("memory://run/weights/v2", 2)
+        await eng.load_adapter("a", "memory://run/adapters/a/v1", 1)
+
+    run(eng, body())
+    reloads = [b["kwargs"]["weights_path"] for p, b in seen if p == "/collective_rpc"]
+    assert [open(f"{r}/model.safetensors", "rb").read() for r in reloads[1:]] == [b"weights"]
+    from pathlib import Path
+
+    assert not Path(reloads[0]).exists() and Path(reloads[1]).exists()  # the older copy is gone
+    (adapter,) = [b["lora_path"] for p, b in seen if p == "/v1/load_lora_adapter"]
+    assert (Path(adapter) / "adapter_config.json").read_text() == "{}"
+    far = VLLMEngine("http://10.0.0.5:8000", VLLMEngineConfig(url="http://10.0.0.5:8000"), transport=Local(None), model="m")
+    with pytest.raises(ValueError, match="a vLLM server loads weights from a folder on its own disk"):
+        run(far, far.update_weights("memory://run/weights/v1", 1))
