@@ -24,10 +24,16 @@ def test_two_runs_share_one_device_slot(prefect_backend, tiny_model_dir, tmp_pat
     from flows.train import train
     from tasks.slots import device_slots
 
-    held, lock = [], threading.Lock()
+    held, asked, lock = [], {}, threading.Lock()
+    both_started = threading.Barrier(2, timeout=120)
 
     @contextlib.contextmanager
     def recorded(cfg, phase):  # when the slots are really held: after acquiring, before releasing
+        with lock:
+            first = cfg.name not in asked
+            asked.setdefault(cfg.name, time.monotonic())
+        if first:  # both runs ask for the slot before either takes it: they contend from the start
+            both_started.wait()
         with device_slots(cfg, phase):
             start = time.monotonic()
             try:
@@ -53,10 +59,9 @@ def test_two_runs_share_one_device_slot(prefect_backend, tiny_model_dir, tmp_pat
     assert len(spans) == 2 * (steps + steps + 2), spans  # per run: rollouts, train steps, 2 evaluations
     window = {run: (min(a for a, _, n in spans if n.startswith(run)), max(b for _, b, n in spans if n.startswith(run)))
               for run in ("slots-0", "slots-1")}
-    (a0, b0), (a1, b1) = window.values()
-    assert a0 < b1 and a1 < b0, f"the two runs did not run at the same time: {window}"
-    interleaved = sum(x[2].split(":")[0] != y[2].split(":")[0] for x, y in zip(spans, spans[1:]))
-    assert interleaved >= 2, "the slot passed between the runs"
+    # both were under way at once (each asked before the other was done); which one gets the slot
+    # next is the limit's business (a run that releases and asks again may well get it back first)
+    assert asked["slots-0"] < window["slots-1"][1] and asked["slots-1"] < window["slots-0"][1], (asked, window)
     for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
         assert end <= next_start, f"{name} and {next_name} held the one slot at once"
 
