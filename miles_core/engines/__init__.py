@@ -61,10 +61,10 @@ def _build_vllm(cfg: VLLMEngineConfig, model_dir: str, dtype: str, seed: int, st
     from miles_core.engines.vllm import SERVED_NAME, LocalVLLMServer, VLLMEngine
 
     if cfg.url is not None:
-        return VLLMEngine(cfg.url, cfg, storage_options=storage_options)
+        return VLLMEngine(cfg.url, cfg, storage_options=storage_options, seed=seed)
     log_path = None if log_dir is None else str(Path(log_dir) / f"vllm-{uuid.uuid4().hex[:8]}.log")
     server = LocalVLLMServer(str(model_dir), cfg, dtype=dtype, seed=seed, lora=lora, log_path=log_path).start()
-    return VLLMEngine(server.url, cfg, server=server, model=SERVED_NAME, storage_options=storage_options)
+    return VLLMEngine(server.url, cfg, server=server, model=SERVED_NAME, storage_options=storage_options, seed=seed)
 
 
 _BUILDERS: dict[type, Callable[..., RolloutEngine]] = {HFEngineConfig: _build_hf, SGLangEngineConfig: _build_sglang,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
 import socket
 import subprocess
 import tempfile
@@ -61,7 +62,8 @@ CONTROL_PATHS = ("/pause", "/collective_rpc", "/reset_prefix_cache", "/v1/load_l
 class VLLMEngine(HTTPEngine):
     """A ``RolloutEngine`` that talks to a vLLM server at ``url``. ``model``: the served name of the
     base model (None: the first of ``GET /v1/models`` without a parent). ``server``: a
-    ``LocalVLLMServer`` this engine owns and stops on ``close()``. ``model_dir``: the served model's
+    ``LocalVLLMServer`` this engine owns and stops on ``close()``. ``seed``: seeds requests without
+    one (deterministically, in the order they are submitted; None: vLLM's own generator). ``model_dir``: the served model's
     folder, which weight snapshots are checked against before a reload (default: the launched
     server's; None with a server at a URL: not checked). Weights and adapters on remote storage
     (``s3://...``, read with ``storage_options``) are copied to this machine's disk first when the
@@ -71,8 +73,11 @@ class VLLMEngine(HTTPEngine):
 
     def __init__(self, url: str, cfg: VLLMEngineConfig, server: LocalVLLMServer | None = None,
                  transport: Transport | None = None, model: str | None = None, model_dir: str | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, seed: int | None = None) -> None:
         super().__init__(url, cfg, server, transport, exempt=CONTROL_PATHS)
+        self._seeds = None if seed is None else random.Random(seed)
+        """Seeds of requests that carry none, drawn in the order they are submitted: vLLM's own
+        generator serves concurrent requests in arrival order, which differs from run to run."""
         self.storage_options = dict(storage_options or {})
         self._adapter_paths: dict[str, str] = {}
         self._model = model
@@ -92,11 +97,14 @@ class VLLMEngine(HTTPEngine):
         if not requests:
             return []
         model = await self._base_model()
-        return list(await asyncio.gather(*(self._generate_one(req, model) for req in requests)))
+        seeds = [self._seeds.getrandbits(63) if req.sampling.seed is None and self._seeds else None for req in requests]
+        return list(await asyncio.gather(*(self._generate_one(req, model, seed) for req, seed in zip(requests, seeds))))
 
-    async def _generate_one(self, req: GenerateRequest, model: str) -> GenerateResult:
+    async def _generate_one(self, req: GenerateRequest, model: str, seed: int | None) -> GenerateResult:
         version = self._version if req.adapter is None else self._adapter_versions.get(req.adapter, 0)
         body = completion_body(req, model if req.adapter is None else req.adapter)
+        if seed is not None:
+            body["seed"] = seed
         url = f"{self.url}/v1/completions"
         reply = await self._post("/v1/completions", body, timeout=self.cfg.request_timeout_s)
         return parse_completion(reply, req.rid, version, url)

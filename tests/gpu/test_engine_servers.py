@@ -142,4 +142,4 @@ class TestVLLMServerContract(EngineContract):
 
     def make_engine(self, model_dir: str, seed: int = 0):
         server = LocalVLLMServer(model_dir, self.cfg(), seed=seed).start()
-        return VLLMEngine(server.url, self.cfg(), server=server, model=SERVED_NAME)
+        return VLLMEngine(server.url, self.cfg(), server=server, model=SERVED_NAME, seed=seed)

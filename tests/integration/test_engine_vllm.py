@@ -74,7 +74,7 @@ class TestVLLMEngineContract(EngineContract):
     def make_engine(self, model_dir: str, seed: int = 0):
         """A fresh server (the seed of unseeded requests is the server's), owned by the engine."""
         server = LocalVLLMServer(model_dir, SERVER_CFG, seed=seed).start()
-        return VLLMEngine(server.url, SERVER_CFG, server=server, model=SERVED_NAME)
+        return VLLMEngine(server.url, SERVER_CFG, server=server, model=SERVED_NAME, seed=seed)
 
 
 # ------------------------------------------------------------------------------ vLLM's own

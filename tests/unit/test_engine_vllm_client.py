@@ -201,3 +201,14 @@ def test_weights_on_remote_storage_are_copied_for_a_server_on_this_machine():
     far = VLLMEngine("http://10.0.0.5:8000", VLLMEngineConfig(url="http://10.0.0.5:8000"), transport=Local(None), model="m")
     with pytest.raises(ValueError, match="a vLLM server loads weights from a folder on its own disk"):
         run(far, far.update_weights("memory://run/weights/v1", 1))
+
+
+def test_unseeded_requests_get_seeds_from_the_engine_seed_in_submission_order():
+    def seeds_sent(seed):
+        eng, seen = engine(lambda *a: (200, completion([1], [-0.1])), model="m", seed=seed)
+        run(eng, eng.generate([GenerateRequest([1]), GenerateRequest([2], SamplingParams(seed=5)), GenerateRequest([3])]))
+        return [body.get("seed") for _, path, body in seen if path == "/v1/completions"]
+
+    first, again, other = seeds_sent(3), seeds_sent(3), seeds_sent(4)
+    assert first == again and first[1] == 5 and first[0] != first[2] and first != other
+    assert seeds_sent(None)[0] is None  # no engine seed: vLLM's own generator
