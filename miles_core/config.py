@@ -426,8 +426,7 @@ def upgrade_mode(raw: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
                     f"spelling of the [mode] table: [mode] type = {owner!r}, {key} = ...)")
     elif legacy is not None:
         raise ValueError(f"async_rollout: expected a table, got {legacy!r}")
-    if legacy is not None or "mode" in out or mode.get("type") != "sync":
-        out["mode"] = mode
+    out["mode"] = mode
     return out
 
 

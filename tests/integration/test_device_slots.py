@@ -24,14 +24,14 @@ def test_two_runs_share_one_device_slot(prefect_backend, tiny_model_dir, tmp_pat
     from flows.train import train
     from tasks.slots import device_slots
 
-    held, asked, lock = [], {}, threading.Lock()
+    held, asked, lock = [], set(), threading.Lock()
     both_started = threading.Barrier(2, timeout=120)
 
     @contextlib.contextmanager
     def recorded(cfg, phase):  # when the slots are really held: after acquiring, before releasing
         with lock:
             first = cfg.name not in asked
-            asked.setdefault(cfg.name, time.monotonic())
+            asked.add(cfg.name)
         if first:  # both runs ask for the slot before either takes it: they contend from the start
             both_started.wait()
         with device_slots(cfg, phase):
@@ -57,11 +57,9 @@ def test_two_runs_share_one_device_slot(prefect_backend, tiny_model_dir, tmp_pat
     assert all(s.is_completed() for s in states), states
     spans = sorted(held)
     assert len(spans) == 2 * (steps + steps + 2), spans  # per run: rollouts, train steps, 2 evaluations
-    window = {run: (min(a for a, _, n in spans if n.startswith(run)), max(b for _, b, n in spans if n.startswith(run)))
-              for run in ("slots-0", "slots-1")}
-    # both were under way at once (each asked before the other was done); which one gets the slot
-    # next is the limit's business (a run that releases and asks again may well get it back first)
-    assert asked["slots-0"] < window["slots-1"][1] and asked["slots-1"] < window["slots-0"][1], (asked, window)
+    # the barrier makes the two runs contend for the one slot from their first phase on; what is
+    # checked is that they never held it at once (which one gets it next is the limit's business:
+    # a run that releases and asks again may well get it back first)
     for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
         assert end <= next_start, f"{name} and {next_name} held the one slot at once"
 
