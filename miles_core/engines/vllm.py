@@ -34,9 +34,9 @@ note of this project saw wrong outputs when they did; with the launcher's settin
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_core.engines.http import EngineHTTPError, HTTPEngine, Transport
+from miles_core.storage.fs import copy_to_disk
 
 if TYPE_CHECKING:
     from miles_core.config import VLLMEngineConfig
@@ -79,14 +80,13 @@ class VLLMEngine(HTTPEngine):
         """Seeds of requests that carry none, drawn in the order they are submitted: vLLM's own
         generator serves concurrent requests in arrival order, which differs from run to run."""
         self.storage_options = dict(storage_options or {})
-        self._adapter_paths: dict[str, str] = {}
+        self._adapter_copies: dict[str, list[str]] = {}
+        """Adapter name -> our copy of its loaded version's remote folder (removed when replaced)."""
         self._model = model
         self.model_dir = model_dir if model_dir is not None else getattr(server, "model_dir", None)
         self._version = 0
         self._adapter_versions: dict[str, int] = {}
         self._paused = False
-        self._copies: list[str] = []
-        """Folders made for the loaded version (copies, staging): removed when the next one loads."""
 
     @property
     def weight_version(self) -> int:
@@ -114,44 +114,44 @@ class VLLMEngine(HTTPEngine):
         report ``version`` from then on (running requests freeze meanwhile, and continue under the
         new weights). With a launched server, the snapshot's tensors are checked against the served
         model's first: vLLM reloads in place, tensor by tensor, and would keep the old values of
-        missing ones."""
-        path, made = await asyncio.to_thread(self._snapshot_folder, uri)
-        paused_here = not self._paused
-        if paused_here:
-            await self._post("/pause?mode=keep")
+        missing ones. What is made on the way (a copy of remote weights, a staging folder) is
+        removed once the reload returns: vLLM reads the folder during the call only."""
+        made: list[str] = []
         try:
-            await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                             timeout=self.cfg.request_timeout_s)
-            await self._post("/reset_prefix_cache")
-            await self._post("/update_weight_version", {"new_version": str(version)})
-            self._version = version
-            _remove([f for f in self._copies if f not in made])
-            self._copies = made
-        finally:
+            path = await asyncio.to_thread(self._snapshot_folder, uri, made)
+            paused_here = not self._paused
             if paused_here:
-                await self._post("/resume")
+                await self._post("/pause?mode=keep")
+            try:
+                await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                                 timeout=self.cfg.request_timeout_s)
+                await self._post("/reset_prefix_cache")
+                await self._post("/update_weight_version", {"new_version": str(version)})
+                self._version = version
+            finally:
+                if paused_here:
+                    await self._post("/resume")
+        finally:
+            _remove(made)
 
-    def _snapshot_folder(self, uri: str) -> tuple[str, list[str]]:
+    def _snapshot_folder(self, uri: str, made: list[str]) -> str:
         """The folder vLLM reloads ``uri`` from: the snapshot folder itself, or a staging folder of
-        links to its files when it is one file (vLLM reads folders) or when the served model ties
-        ``lm_head`` to the embeddings and the snapshot leaves ``lm_head.weight`` out: vLLM 0.32's
-        in-place reload then keeps the old ``lm_head`` (measured: logprobs off by 0.44 on the tiny
-        model), so the staging folder adds it, a copy of the new embeddings. Also the folders made on
-        the way (a copy of remote weights, the staging folder), removed once the next version loads."""
-        path = self._local(uri)
-        made = [path] if path != local_path_or_none(uri) else []
+        links to its files when it is one file (vLLM reads folders) or when the
+        served model ties ``lm_head`` to the embeddings and the snapshot leaves ``lm_head.weight``
+        out: vLLM 0.32's in-place reload then keeps the old ``lm_head`` (measured: logprobs off by
+        0.44 on the tiny model), so the staging folder adds it, a copy of the new embeddings. The
+        folders made on the way (a copy of remote weights, the staging folder) are added to ``made``."""
+        path = self._local(uri, made)
         given = check_snapshot(uri, path, self.model_dir) if self.model_dir is not None else None
         add_head = given is not None and "lm_head.weight" not in given and _ties_embeddings(self.model_dir)
         if not os.path.isfile(path) and not add_head:
-            return path, made
-        key = hashlib.sha1(f"{os.path.abspath(path)}:{os.stat(path).st_mtime_ns}".encode()).hexdigest()[:16]
-        stage = Path(tempfile.gettempdir()) / "miles-vllm-stage" / key
-        stage.mkdir(parents=True, exist_ok=True)
+            return path
+        here = None if self._server_here() else os.path.dirname(os.path.abspath(path))
+        stage = Path(tempfile.mkdtemp(prefix=".miles-vllm-stage-", dir=here))  # on the disk the server reads
+        made.append(str(stage))
         files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).glob("*.safetensors"))
         for f in files:
-            link = stage / ("model.safetensors" if os.path.isfile(path) else f.name)
-            if not link.exists():
-                link.symlink_to(f.resolve())
+            (stage / ("model.safetensors" if os.path.isfile(path) else f.name)).symlink_to(f.resolve())
         index = None if os.path.isfile(path) else Path(path) / "model.safetensors.index.json"
         if add_head:
             _write_tied_head(files, stage / "lm_head.safetensors")
@@ -162,42 +162,42 @@ class VLLMEngine(HTTPEngine):
             if add_head:
                 data.setdefault("weight_map", {})["lm_head.weight"] = "lm_head.safetensors"
             (stage / index.name).write_text(json.dumps(data))
-        return str(stage), made + [str(stage)]
+        return str(stage)
 
-    def _local(self, uri: str) -> str:
-        """A path on this machine for ``uri``: itself when local; for remote storage, a copy of its
-        file or folder (when the server runs here and so reads this disk)."""
-        if uri.startswith("file://") or "://" not in uri:
-            return local_path(uri)
+    def _server_here(self) -> bool:
+        """Whether the server reads this machine's disk (launched here, or at a loopback URL)."""
         from urllib.parse import urlparse
 
-        if self.server is None and urlparse(self.url).hostname not in ("127.0.0.1", "localhost", "::1"):
-            return local_path(uri)  # raises: a server elsewhere reads its own disk
-        import fsspec
+        return self.server is not None or urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1")
 
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        dest = Path(tempfile.gettempdir()) / "miles-vllm-stage" / f"fetch-{hashlib.sha1(uri.encode()).hexdigest()[:16]}"
-        if fs.isdir(path):
-            for remote in fs.find(path):
-                target = dest / os.path.relpath(remote, path)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(remote, str(target))
-        elif fs.exists(path):
-            dest.mkdir(parents=True, exist_ok=True)
-            fs.get_file(path, str(dest / "model.safetensors"))
-        else:
-            raise FileNotFoundError(f"weights {uri}: no such file or folder")
-        return str(dest)
+    def _local(self, uri: str, made: list[str]) -> str:
+        """A path on this machine for ``uri``: itself when local; for remote storage, a copy of its
+        file or folder (when the server runs here and so reads this disk), added to ``made``."""
+        if uri.startswith("file://") or "://" not in uri or not self._server_here():
+            return local_path(uri)  # raises for remote storage: a server elsewhere reads its own disk
+        made.append(tempfile.mkdtemp(prefix="miles-vllm-copy-"))
+        return copy_to_disk(uri, made[-1], self.storage_options)
 
     async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
-        """Load (or replace) adapter ``name`` from the PEFT folder ``uri``."""
-        path = await asyncio.to_thread(self._local, uri)
-        body = {"lora_name": name, "lora_path": path, "load_inplace": name in self._adapter_versions}
-        await self._post("/v1/load_lora_adapter", body, timeout=self.cfg.request_timeout_s)
+        """Load (or replace) adapter ``name`` from the PEFT folder ``uri``. A copy of a remote
+        folder stays while that version is loaded (vLLM reloads an evicted adapter from its path)."""
+        made: list[str] = []
+        try:
+            path = await asyncio.to_thread(self._local, uri, made)
+            body = {"lora_name": name, "lora_path": path, "load_inplace": name in self._adapter_versions}
+            await self._post("/v1/load_lora_adapter", body, timeout=self.cfg.request_timeout_s)
+        except BaseException:
+            _remove(made)
+            raise
         self._adapter_versions[name] = version
-        previous, self._adapter_paths[name] = self._adapter_paths.get(name), path
-        if previous != path and previous != local_path_or_none(previous or ""):  # our copy of an older version
-            _remove([previous])
+        _remove(self._adapter_copies.pop(name, []))
+        self._adapter_copies[name] = made
+
+    async def close(self) -> None:
+        await super().close()
+        for made in self._adapter_copies.values():
+            _remove(made)
+        self._adapter_copies.clear()
 
     async def pause(self) -> None:
         await self._post("/pause?mode=keep")
@@ -335,18 +335,8 @@ def _tensor_shapes(path: str) -> dict[str, list[int]]:
 
 
 def _remove(folders: list[str]) -> None:
-    import shutil
-
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def local_path_or_none(uri: str) -> str | None:
-    """``local_path(uri)``, or None for remote storage."""
-    try:
-        return local_path(uri)
-    except ValueError:
-        return None
 
 
 def local_path(uri: str) -> str:

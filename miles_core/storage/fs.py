@@ -7,6 +7,8 @@
   ``read_with_tag`` / ``cas_write`` do compare-and-swap (S3 ``If-Match: <etag>``);
   ``list_after`` lists only names after a cursor (S3 ``StartAfter``).
 - ``RetryPolicy`` / ``with_retries``: bounded back-off on transient endpoint errors.
+- ``copy_to_disk(url, dest)``: a copy on this machine of a remote file or folder (for readers that
+  take only paths: PEFT, an inference server).
 
 Everything in ``miles_core.storage`` reaches storage through these, so a backend's quirks
 (local files need temp + rename; object stores make a PUT visible whole) live in one place.
@@ -57,6 +59,24 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
     except (ValueError, TypeError) as e:  # never echo the options: they may hold credentials
         raise ValueError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
     return fs, path.rstrip("/") or path
+
+
+def copy_to_disk(url: str, dest: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Copy the folder or file at ``url`` into the local folder ``dest``; the copy's path: ``dest``
+    for a folder, ``dest/<name>`` for a file. ``FileNotFoundError`` names ``url`` when it is neither."""
+    fs, path = open_fs(url, storage_options)
+    if fs.isdir(path):
+        for remote in fs.find(path):
+            target = os.path.join(dest, os.path.relpath(remote, path))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fs.get_file(remote, target)
+        return dest
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{url}: no such file or folder")
+    os.makedirs(dest, exist_ok=True)
+    target = os.path.join(dest, basename(path))
+    fs.get_file(path, target)
+    return target
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -71,10 +71,14 @@ class TestVLLMEngineContract(EngineContract):
         asyncio.run(eng.close())
         asyncio.run(restore(server, str(tiny_model_dir)))
 
+    @pytest.fixture(autouse=True)
+    def _shared_server(self, server):
+        self.server = server
+
     def make_engine(self, model_dir: str, seed: int = 0):
-        """A fresh server (the seed of unseeded requests is the server's), owned by the engine."""
-        server = LocalVLLMServer(model_dir, SERVER_CFG, seed=seed).start()
-        return VLLMEngine(server.url, SERVER_CFG, server=server, model=SERVED_NAME, seed=seed)
+        """A new client of the shared server: the seeds of unseeded requests come from the client's
+        ``seed`` (vLLM's own generator serves them in arrival order, which varies)."""
+        return VLLMEngine(self.server.url, SERVER_CFG, model=SERVED_NAME, model_dir=model_dir, seed=seed)
 
 
 # ------------------------------------------------------------------------------ vLLM's own

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,12 +142,20 @@ def test_snapshots_are_checked_against_the_served_model(tmp_path):
                                          r"missing: model.norm.weight; other shapes: model.embed_tokens.weight"):
         check_snapshot("s3-ish", str(bad), str(served))
     # a tied model's snapshot without lm_head.weight is staged with it (vLLM's reload would keep the old head)
-    eng, seen = engine(lambda *a: (200, {}), model="m", model_dir=str(served))
+    staged = {}
+
+    def reload(method, path, body):
+        if path == "/collective_rpc":  # what vLLM would read, during the call
+            folder = body["kwargs"]["weights_path"]
+            staged.update(folder=folder, head=load_file(f"{folder}/lm_head.safetensors")["lm_head.weight"],
+                          names=load_file(f"{folder}/model.safetensors").keys())
+        return 200, {}
+
+    eng, seen = engine(reload, model="m", model_dir=str(served))
     run(eng, eng.update_weights(str(good), 1))
-    stage = seen[1][2]["kwargs"]["weights_path"]
-    head = load_file(f"{stage}/lm_head.safetensors")["lm_head.weight"]
-    assert torch.equal(head, state["model.embed_tokens.weight"] * 2)
-    assert load_file(f"{stage}/model.safetensors").keys() == state.keys()
+    assert torch.equal(staged["head"], state["model.embed_tokens.weight"] * 2)
+    assert staged["names"] == state.keys()
+    assert not os.path.exists(staged["folder"])  # vLLM reads it during the call only: removed after
 
 
 def test_weights_must_be_on_the_servers_disk():
@@ -166,20 +176,27 @@ def test_the_vllm_engine_is_a_config_choice():
 
 def test_weights_on_remote_storage_are_copied_for_a_server_on_this_machine():
     """A snapshot and an adapter on object storage (``memory://`` here, ``s3://`` in a run): a server
-    at a loopback URL (or launched) reloads from a local copy; the copy of the version before is
-    removed once the next one is loaded."""
+    at a loopback URL (or launched) reloads from a local copy, removed once the reload returns; an
+    adapter's copy stays while that version is loaded (vLLM reloads an evicted adapter from its
+    path) and goes when the next version replaces it or the engine closes."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
     for version in (1, 2):
         with fs.open(f"/run/weights/v{version}/model.safetensors", "wb") as f:
-            f.write(b"weights")
-    fs.pipe_file("/run/adapters/a/v1/adapter_config.json", b"{}")
-    seen = []
+            f.write(f"weights {version}".encode())
+    for version in (1, 2):
+        fs.pipe_file(f"/run/adapters/a/v{version}/adapter_config.json", f'{{"v": {version}}}'.encode())
+    reloads, adapters = [], []
 
     class Local(FakeTransport):
         async def request(self, method, url, body, timeout):
-            seen.append((url.split(":8000", 1)[1], body))
+            path = url.split(":8000", 1)[1]
+            if path == "/collective_rpc":
+                folder = body["kwargs"]["weights_path"]
+                reloads.append((folder, Path(folder, "model.safetensors").read_bytes()))
+            if path == "/v1/load_lora_adapter":
+                adapters.append(body["lora_path"])
             return 200, b"{}"
 
     eng = VLLMEngine("http://127.0.0.1:8000", VLLMEngineConfig(url="http://127.0.0.1:8000"), transport=Local(None),
@@ -189,15 +206,15 @@ def test_weights_on_remote_storage_are_copied_for_a_server_on_this_machine():
         await eng.update_weights("memory://run/weights/v1", 1)
         await eng.update_weights("memory://run/weights/v2", 2)
         await eng.load_adapter("a", "memory://run/adapters/a/v1", 1)
+        first = Path(adapters[0], "adapter_config.json").read_text()
+        await eng.load_adapter("a", "memory://run/adapters/a/v2", 2)
+        return first, Path(adapters[0]).exists(), Path(adapters[1], "adapter_config.json").read_text()
 
-    run(eng, body())
-    reloads = [b["kwargs"]["weights_path"] for p, b in seen if p == "/collective_rpc"]
-    assert [open(f"{r}/model.safetensors", "rb").read() for r in reloads[1:]] == [b"weights"]
-    from pathlib import Path
-
-    assert not Path(reloads[0]).exists() and Path(reloads[1]).exists()  # the older copy is gone
-    (adapter,) = [b["lora_path"] for p, b in seen if p == "/v1/load_lora_adapter"]
-    assert (Path(adapter) / "adapter_config.json").read_text() == "{}"
+    first, first_kept, second = run(eng, body())
+    assert [data for _, data in reloads] == [b"weights 1", b"weights 2"]
+    assert not any(Path(folder).exists() for folder, _ in reloads)
+    assert (first, first_kept, second) == ('{"v": 1}', False, '{"v": 2}')
+    assert not Path(adapters[1]).exists()  # closing the engine removes the loaded version's copy
     far = VLLMEngine("http://10.0.0.5:8000", VLLMEngineConfig(url="http://10.0.0.5:8000"), transport=Local(None), model="m")
     with pytest.raises(ValueError, match="a vLLM server loads weights from a folder on its own disk"):
         run(far, far.update_weights("memory://run/weights/v1", 1))
