@@ -53,6 +53,22 @@ PAUSE_MODE = "in_place"
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose request types and response shapes the client is checked against
 (``scripts/test.sh`` installs its package alone for that test)."""
+
+
+def launch_args(model_dir: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0,
+                max_lora_rank: int = 16) -> list[str]:
+    """Arguments of ``python -m sglang.launch_server`` for a server this client drives (flags of
+    ``SGLANG_VERSION``, checked against its source in tests/unit/test_sglang_types.py): float32 (the
+    trainer's recompute is float32, and logprobs are compared with it), a fixed seed, LoRA on for
+    adapters by name (any module, rank up to ``max_lora_rank``), 30% of GPU memory (a tiny model
+    beside a trainer on the same GPU), CUDA graphs off (small models start in seconds; weights load
+    in place either way)."""
+    return ["--model-path", model_dir, "--host", host, "--port", str(port), "--dtype", "float32",
+            "--random-seed", str(seed), "--mem-fraction-static", "0.3", "--enable-lora",
+            "--max-lora-rank", str(max_lora_rank), "--lora-target-modules", "all",
+            "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+
+
 CONTROL_PATHS = ("/update_weights_from_disk", "/pause_generation", "/load_lora_adapter", "/unload_lora_adapter")
 """Control calls that may hold the server for a while (not a sign of a dead server)."""
 

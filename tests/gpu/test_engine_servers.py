@@ -66,13 +66,11 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         from miles_core.engines.server import _http
+        from miles_core.engines.sglang import launch_args
 
         watchdog = Path(__file__).resolve().parents[2] / "miles_core" / "engines" / "watchdog.py"
         cmd = [self.python, str(watchdog), "--parent-pid", str(os.getpid()), "--log", self.log, "--",
-               self.python, "-m", "sglang.launch_server", "--model-path", self.model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "float32", "--random-seed", str(self.seed),
-               "--mem-fraction-static", "0.3", "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all",
-               "--disable-cuda-graph"]
+               self.python, "-m", "sglang.launch_server", *launch_args(self.model_dir, port=self.port, seed=self.seed)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while _http(f"{self.url}/health", timeout=2) != 200:

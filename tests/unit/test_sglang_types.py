@@ -6,8 +6,9 @@ module pulls most of its runtime; so ``scripts/test.sh`` installs the package al
 --no-deps --target .cache/sglang-types sglang==SGLANG_VERSION``) and this test reads its source:
 the fields of ``GenerateReqInput``, ``SamplingParams``, ``UpdateWeightFromDiskReqInput``,
 ``LoadLoRAAdapterReqInput``, ``PauseGenerationReqInput``, ``ContinueGenerationReqInput`` and
-``AbortReq`` (with their base classes), and the routes of its HTTP server. A field we send that
-SGLang no longer has fails here, naming it.
+``AbortReq`` (with their base classes), the routes of its HTTP server, and the command-line flags
+of its ``ServerArgs`` (for ``launch_args``, the server the GPU check starts). A field or flag we
+send that SGLang no longer has (or deprecates) fails here, naming it.
 """
 
 from __future__ import annotations
@@ -166,3 +167,103 @@ def test_the_checked_types_are_what_the_engine_module_documents():
     import miles_core.engines.sglang as module
 
     assert f"SGLang {SGLANG_VERSION}" in typing.cast(str, module.__doc__)
+
+
+# ------------------------------------------------------------------------------ launch flags
+
+
+def _constants(tree: ast.Module, env: dict[str, set | None]) -> None:
+    """Add the module's constants, and its classes' (as ``Class.NAME``), to ``env``, evaluated."""
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            inner = dict(env)
+            _constants(ast.Module(body=node.body, type_ignores=[]), inner)
+            env.update({f"{node.name}.{k}": v for k, v in inner.items() if k not in env or inner[k] is not env[k]})
+        elif isinstance(node, ast.Assign):
+            env.update({t.id: _values(node.value, env) for t in node.targets if isinstance(t, ast.Name)})
+
+
+def _values(node: ast.expr | None, env: dict[str, set | None]) -> set | None:
+    """The literal values of a ``choices`` expression (lists, ``+``, constants of ``env``), or None
+    where it is computed in a way this reader does not follow (then values are not checked)."""
+    if isinstance(node, ast.Constant):
+        return {node.value}
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        parts = [_values(e, env) for e in node.elts]
+        return None if None in parts else set().union(*parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _values(node.left, env), _values(node.right, env)
+        return None if left is None or right is None else left | right
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        return env.get(ast.unparse(node))
+    return None
+
+
+CONSTANTS: dict[str, set | None] = {}
+for _module in ("utils/common.py", "arg_groups/choices.py", "model_executor/cuda_graph_config.py"):
+    _constants(ast.parse((SRT / _module).read_text()), CONSTANTS)
+
+
+def _unwrap(node: ast.expr, name: str) -> ast.expr:
+    return node.slice if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+        and node.value.id == name else node
+
+
+def sglang_flags() -> dict[str, dict]:
+    """SGLang's command-line flags, read from its source: each ``A[type, help or Arg(...)]`` field of
+    ``srt/arg_groups/fields/*.py`` (as ``add_cli_args_from_dataclass`` registers them: ``--`` and the
+    name with dashes, or ``cli_name``, plus ``aliases``; ``no_cli`` ones left out; a ``bool`` one takes
+    no value; choices from ``choices=`` or a ``Literal``), and the deprecated ones ``server_args.py``
+    adds by hand. Flag -> {"value": takes one, "choices": set or None, "deprecated": bool}."""
+    flags: dict[str, dict] = {}
+    for path in sorted((SRT / "arg_groups" / "fields").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(node.annotation, ast.Subscript) and isinstance(node.annotation.value, ast.Name)
+                    and node.annotation.value.id == "A" and isinstance(node.annotation.slice, ast.Tuple)):
+                continue
+            kind, meta = node.annotation.slice.elts[:2]
+            args = {k.arg: k.value for k in meta.keywords} if isinstance(meta, ast.Call) else {}
+            if isinstance(args.get("no_cli"), ast.Constant) and args["no_cli"].value:
+                continue
+            kind = _unwrap(kind, "Optional")
+            literal = _unwrap(kind, "Literal")
+            choices = _values(args.get("choices"), CONSTANTS) if "choices" in args else (
+                _values(literal, CONSTANTS) if literal is not kind else None)
+            name = args["cli_name"].value if "cli_name" in args else "--" + node.target.id.replace("_", "-")
+            spec = {"value": not (isinstance(kind, ast.Name) and kind.id == "bool") or "action" in args,
+                    "choices": choices, "deprecated": False}
+            for flag in [name, *(_values(args.get("aliases"), {}) or ())]:
+                flags[flag] = spec
+    for node in ast.walk(ast.parse((SRT.parent / "srt" / "server_args.py").read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            action = next((k.value for k in node.keywords if k.arg == "action"), None)
+            deprecated = isinstance(action, ast.Name) and action.id.startswith("Deprecated")
+            flags[node.args[0].value] = {"value": not deprecated, "choices": None, "deprecated": deprecated}
+    return flags
+
+
+def test_the_launch_flags_we_document_are_sglangs():
+    """Each flag of ``launch_args`` (the GPU check's SGLang server, and the guide's) is a current
+    flag of the pinned SGLang, given a value exactly when it takes one, from its choices."""
+    from miles_core.engines.sglang import launch_args
+
+    flags = sglang_flags()
+    assert len(flags) > 200 and flags["--model-path"]["value"] and not flags["--enable-lora"]["value"]
+    assert flags["--disable-cuda-graph"]["deprecated"]  # the reader sees the hand-added deprecated ones
+    given: list[tuple[str, list[str]]] = []
+    for token in launch_args("/m", port=31000, seed=3):
+        if token.startswith("--"):
+            given.append((token, []))
+        else:
+            given[-1][1].append(token)
+    for flag, values in given:
+        spec = flags.get(flag)
+        assert spec is not None, f"SGLang {SGLANG_VERSION} has no flag {flag}"
+        assert not spec["deprecated"], f"SGLang {SGLANG_VERSION} deprecates {flag}"
+        assert bool(values) == spec["value"], f"{flag} {values}: SGLang's {'takes' if spec['value'] else 'takes no'} value"
+        if spec["choices"] is not None:
+            assert set(values) <= spec["choices"], f"{flag} {values}: not among {sorted(map(str, spec['choices']))}"
+    checked = {f for f, _ in given if flags[f]["choices"] is not None}
+    assert {"--dtype", "--lora-target-modules", "--cuda-graph-backend-decode"} <= checked
