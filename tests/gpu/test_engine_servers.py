@@ -138,6 +138,10 @@ class TestVLLMServerContract(EngineContract):
         asyncio.run(restore(VLLMEngine(server.url, self.cfg(), model=SERVED_NAME, model_dir=str(tiny_model_dir)),
                             str(tiny_model_dir)))
 
+    @pytest.fixture(autouse=True)
+    def _shared_server(self, server):
+        self.server = server
+
     def make_engine(self, model_dir: str, seed: int = 0):
-        server = LocalVLLMServer(model_dir, self.cfg(), seed=seed).start()
-        return VLLMEngine(server.url, self.cfg(), server=server, model=SERVED_NAME, seed=seed)
+        """A new client of the shared server: unseeded requests get seeds from the client's ``seed``."""
+        return VLLMEngine(self.server.url, self.cfg(), model=SERVED_NAME, model_dir=model_dir, seed=seed)
