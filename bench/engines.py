@@ -97,22 +97,20 @@ def new_snapshot(model: str, folder: Path) -> str:
 
 def linear_shapes(model: str) -> list[tuple[int, int]]:
     """(out, in) of every weight a decode step multiplies by: each 2-D weight but the input embedding,
-    plus the output head (the embedding's transpose when the two are tied)."""
+    plus the output head (the embedding itself when the checkpoint has no ``lm_head.weight``: tied)."""
     from safetensors import safe_open
 
-    shapes, head = [], None
+    shapes, embedding, head = [], None, False
     for f in sorted(Path(model).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 shape = tuple(st.get_slice(name).get_shape())
                 if name.endswith("embed_tokens.weight"):
-                    head = head or shape
+                    embedding = shape
                 elif len(shape) == 2:
                     shapes.append(shape)
-                    head = shape if name == "lm_head.weight" else head
-    if not any(len(s) == 2 and s == head for s in shapes):
-        shapes.append(head)  # tied: the head multiplies by the embedding
-    return shapes
+                    head = head or name == "lm_head.weight"
+    return shapes if head else [*shapes, embedding]
 
 
 def ceiling_case(model_name: str, levels: list[int]) -> dict:

@@ -80,8 +80,11 @@ class VLLMEngine(HTTPEngine):
         """Seeds of requests that carry none, drawn in the order they are submitted: vLLM's own
         generator serves concurrent requests in arrival order, which differs from run to run."""
         self.storage_options = dict(storage_options or {})
-        self._adapter_copies: dict[str, list[str]] = {}
-        """Adapter name -> our copy of its loaded version's remote folder (removed when replaced)."""
+        self._adapter_copies: dict[str, list[list[str]]] = {}
+        """Adapter name -> the folders we copied for it (its loaded version's, and any of a load
+        that got no answer): removed when its next version loads."""
+        self._leftovers: list[list[str]] = []
+        """Folders made for weight reloads, removed once one succeeds."""
         self._model = model
         self.model_dir = model_dir if model_dir is not None else getattr(server, "model_dir", None)
         self._version = 0
@@ -115,8 +118,11 @@ class VLLMEngine(HTTPEngine):
         new weights). With a launched server, the snapshot's tensors are checked against the served
         model's first: vLLM reloads in place, tensor by tensor, and would keep the old values of
         missing ones. What is made on the way (a copy of remote weights, a staging folder) is
-        removed once the reload returns: vLLM reads the folder during the call only."""
+        removed once the server has answered: vLLM reads the folder during the call only. After a
+        call with no answer (a timeout, a cancellation) the server may still be reading it, so it
+        stays until a reload succeeds (the server runs them one at a time), or the engine closes."""
         made: list[str] = []
+        reloaded = refused = False
         try:
             path = await asyncio.to_thread(self._snapshot_folder, uri, made)
             paused_here = not self._paused
@@ -125,14 +131,23 @@ class VLLMEngine(HTTPEngine):
             try:
                 await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
                                  timeout=self.cfg.request_timeout_s)
+                reloaded = True
                 await self._post("/reset_prefix_cache")
                 await self._post("/update_weight_version", {"new_version": str(version)})
                 self._version = version
             finally:
                 if paused_here:
                     await self._post("/resume")
+        except EngineHTTPError:
+            refused = not reloaded  # the server answered no: it is not reading this folder
+            raise
         finally:
-            _remove(made)
+            if refused:
+                _remove(made)
+            else:
+                self._leftovers.append(made)  # this very list: a copy still being made lands in it too
+                if reloaded:  # the server is done with this folder, and with those of earlier calls
+                    self._remove_leftovers()
 
     def _snapshot_folder(self, uri: str, made: list[str]) -> str:
         """The folder vLLM reloads ``uri`` from: the snapshot folder itself, or a staging folder of
@@ -180,24 +195,42 @@ class VLLMEngine(HTTPEngine):
 
     async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
         """Load (or replace) adapter ``name`` from the PEFT folder ``uri``. A copy of a remote
-        folder stays while that version is loaded (vLLM reloads an evicted adapter from its path)."""
+        folder stays while that version may be loaded (vLLM reloads an evicted adapter from its
+        path): until the next version of ``name`` loads, or a launched server stops."""
         made: list[str] = []
         try:
             path = await asyncio.to_thread(self._local, uri, made)
             body = {"lora_name": name, "lora_path": path, "load_inplace": name in self._adapter_versions}
             await self._post("/v1/load_lora_adapter", body, timeout=self.cfg.request_timeout_s)
+        except EngineHTTPError:
+            _remove(made)  # refused: the server does not use it
+            raise
         except BaseException:
-            _remove(made)
+            self._adapter_copies.setdefault(name, []).append(made)  # it may have loaded all the same
             raise
         self._adapter_versions[name] = version
-        _remove(self._adapter_copies.pop(name, []))
-        self._adapter_copies[name] = made
+        for older in self._adapter_copies.pop(name, []):
+            _remove(older)
+        self._adapter_copies[name] = [made]
 
     async def close(self) -> None:
-        await super().close()
-        for made in self._adapter_copies.values():
+        """Close the client (and stop a launched server). Copies of weights are removed; copies of
+        adapters too when this engine launched the server (a server of your own may still serve
+        them, so they stay in the temporary folder)."""
+        try:
+            await super().close()
+        finally:
+            self._remove_leftovers()
+            if self.server is not None:
+                for copies in self._adapter_copies.values():
+                    for made in copies:
+                        _remove(made)
+                self._adapter_copies.clear()
+
+    def _remove_leftovers(self) -> None:
+        for made in self._leftovers:
             _remove(made)
-        self._adapter_copies.clear()
+        self._leftovers.clear()
 
     async def pause(self) -> None:
         await self._post("/pause?mode=keep")

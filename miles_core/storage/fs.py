@@ -63,19 +63,23 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
 
 def copy_to_disk(url: str, dest: str, storage_options: dict[str, Any] | None = None) -> str:
     """Copy the folder or file at ``url`` into the local folder ``dest``; the copy's path: ``dest``
-    for a folder, ``dest/<name>`` for a file. ``FileNotFoundError`` names ``url`` when it is neither."""
+    for a folder, ``dest/<name>`` for a file. Each file is retried on transient endpoint errors
+    (``with_retries``); ``FileNotFoundError`` names ``url`` when it is neither."""
     fs, path = open_fs(url, storage_options)
-    if fs.isdir(path):
-        for remote in fs.find(path):
-            target = os.path.join(dest, os.path.relpath(remote, path))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fs.get_file(remote, target)
+
+    def get(remote: str, target: str) -> None:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with_retries(lambda: fs.get_file(remote, target), to_url(fs, remote), fs)
+
+    if with_retries(lambda: fs.isdir(path), url, fs):
+        for remote in with_retries(lambda: fs.find(path), url, fs):
+            if not remote.endswith("/"):  # object stores list folder markers as keys ending in /
+                get(remote, os.path.join(dest, os.path.relpath(remote, path)))
         return dest
-    if not fs.exists(path):
+    if not with_retries(lambda: fs.exists(path), url, fs):
         raise FileNotFoundError(f"{url}: no such file or folder")
-    os.makedirs(dest, exist_ok=True)
     target = os.path.join(dest, basename(path))
-    fs.get_file(path, target)
+    get(path, target)
     return target
 
 

@@ -2,8 +2,8 @@
 ``scripts/setup-vllm.sh`` builds): the engine contract, plus what is particular to vLLM.
 
 The contract tests share one server (a start costs ~25 s); each test gets a fresh client, and the
-server is put back as it was afterwards (aborted, resumed, the original weights). The test that
-needs fresh engine seeds starts its own servers.
+server is put back as it was afterwards (aborted, resumed, the original weights). The test of
+the engine seed uses new clients of it too: the seeds of unseeded requests are the client's.
 """
 
 from __future__ import annotations

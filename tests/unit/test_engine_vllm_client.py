@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,7 @@ def test_weights_on_remote_storage_are_copied_for_a_server_on_this_machine():
     """A snapshot and an adapter on object storage (``memory://`` here, ``s3://`` in a run): a server
     at a loopback URL (or launched) reloads from a local copy, removed once the reload returns; an
     adapter's copy stays while that version is loaded (vLLM reloads an evicted adapter from its
-    path) and goes when the next version replaces it or the engine closes."""
+    path) and goes when the next version replaces it."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
@@ -214,7 +215,8 @@ def test_weights_on_remote_storage_are_copied_for_a_server_on_this_machine():
     assert [data for _, data in reloads] == [b"weights 1", b"weights 2"]
     assert not any(Path(folder).exists() for folder, _ in reloads)
     assert (first, first_kept, second) == ('{"v": 1}', False, '{"v": 2}')
-    assert not Path(adapters[1]).exists()  # closing the engine removes the loaded version's copy
+    assert Path(adapters[1]).exists()  # a server of our own may still serve it after we close
+    shutil.rmtree(adapters[1])
     far = VLLMEngine("http://10.0.0.5:8000", VLLMEngineConfig(url="http://10.0.0.5:8000"), transport=Local(None), model="m")
     with pytest.raises(ValueError, match="a vLLM server loads weights from a folder on its own disk"):
         run(far, far.update_weights("memory://run/weights/v1", 1))
@@ -229,3 +231,58 @@ def test_unseeded_requests_get_seeds_from_the_engine_seed_in_submission_order():
     first, again, other = seeds_sent(3), seeds_sent(3), seeds_sent(4)
     assert first == again and first[1] == 5 and first[0] != first[2] and first != other
     assert seeds_sent(None)[0] is None  # no engine seed: vLLM's own generator
+
+
+class Server:
+    """Stands in for a launched ``LocalVLLMServer`` (what ``close()`` stops)."""
+
+    model_dir = None
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_copies_stay_while_the_server_may_read_them():
+    """A reload that got no answer (a timeout) may still be reading its copy on the server: it is
+    kept until a reload succeeds; a refused one (HTTP 500) is removed at once. Adapter copies of a
+    launched server go when it stops."""
+    import fsspec
+
+    from miles_core.engines.http import EngineUnreachable
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/copies/w/v1/model.safetensors", b"w")
+    fs.pipe_file("/copies/a/v1/adapter_config.json", b"{}")
+    answers, reloads, adapters = iter(["silent", "refused", "ok"]), [], []
+
+    class Local(FakeTransport):
+        async def request(self, method, url, body, timeout):
+            path = url.split(":8000", 1)[1]
+            if path == "/v1/load_lora_adapter":
+                adapters.append(body["lora_path"])
+            if path == "/collective_rpc":
+                reloads.append(body["kwargs"]["weights_path"])
+                answer = next(answers)
+                if answer == "silent":
+                    raise EngineUnreachable(f"{url}: no answer within {timeout:g} s")
+                if answer == "refused":
+                    return 500, b'{"error": {"message": "no"}}'
+            return 200, b"{}"
+
+    url = "http://127.0.0.1:8000"
+    eng = VLLMEngine(url, VLLMEngineConfig(url=url), server=Server(), transport=Local(None), model="m")
+
+    async def body():
+        kept = []
+        for expected in (EngineUnreachable, EngineHTTPError, None):
+            try:
+                await eng.update_weights("memory://copies/w/v1", 1)
+            except Exception as e:  # noqa: BLE001 (the test checks which)
+                assert isinstance(e, expected)
+            kept.append([Path(r).exists() for r in reloads])
+        await eng.load_adapter("a", "memory://copies/a/v1", 1)
+        return kept, Path(adapters[0]).exists()
+
+    kept, adapter_kept = run(eng, body())
+    assert kept == [[True], [True, False], [False, False, False]]  # the unanswered copy goes once one succeeds
+    assert adapter_kept and not Path(adapters[0]).exists()  # gone once the launched server stopped

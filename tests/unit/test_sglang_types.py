@@ -209,12 +209,28 @@ def _unwrap(node: ast.expr, name: str) -> ast.expr:
         and node.value.id == name else node
 
 
+NO_VALUE = {"store_true", "store_false", "store_const", "count", "BooleanOptionalAction", "DeprecatedAction",
+            "DeprecatedStoreTrueAction", "DeprecatedStoreConstAction"}
+"""argparse actions (and SGLang's, ``arg_groups/argparse_actions.py``) whose flag takes no value."""
+
+
+def _action(node: ast.expr | None) -> dict | None:
+    """What an ``action=`` makes of a flag (None: no action): whether it takes a value, has a
+    ``--no-`` form (``BooleanOptionalAction``), is deprecated (SGLang's ``Deprecated*`` actions)."""
+    if node is None:
+        return None
+    name = node.value if isinstance(node, ast.Constant) else ast.unparse(node).rsplit(".", 1)[-1]
+    return {"value": name not in NO_VALUE, "negatable": name == "BooleanOptionalAction",
+            "deprecated": name.startswith("Deprecated")}
+
+
 def sglang_flags() -> dict[str, dict]:
     """SGLang's command-line flags, read from its source: each ``A[type, help or Arg(...)]`` field of
     ``srt/arg_groups/fields/*.py`` (as ``add_cli_args_from_dataclass`` registers them: ``--`` and the
-    name with dashes, or ``cli_name``, plus ``aliases``; ``no_cli`` ones left out; a ``bool`` one takes
-    no value; choices from ``choices=`` or a ``Literal``), and the deprecated ones ``server_args.py``
-    adds by hand. Flag -> {"value": takes one, "choices": set or None, "deprecated": bool}."""
+    name with dashes, or ``cli_name``, plus ``aliases``; ``no_cli`` ones left out; a ``bool`` one, or
+    one whose ``action`` takes none, takes no value; choices from ``choices=`` or a ``Literal``), and
+    those ``server_args.py`` adds by hand (deprecated spellings among them). Flag -> {"value": takes
+    one, "choices": set or None, "deprecated": bool}."""
     flags: dict[str, dict] = {}
     for path in sorted((SRT / "arg_groups" / "fields").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -231,17 +247,24 @@ def sglang_flags() -> dict[str, dict]:
             choices = _values(args.get("choices"), CONSTANTS) if "choices" in args else (
                 _values(literal, CONSTANTS) if literal is not kind else None)
             name = args["cli_name"].value if "cli_name" in args else "--" + node.target.id.replace("_", "-")
-            spec = {"value": not (isinstance(kind, ast.Name) and kind.id == "bool") or "action" in args,
-                    "choices": choices, "deprecated": False}
-            for flag in [name, *(_values(args.get("aliases"), {}) or ())]:
-                flags[flag] = spec
-    for node in ast.walk(ast.parse((SRT.parent / "srt" / "server_args.py").read_text())):
+            action = _action(args.get("action")) or {
+                "value": not (isinstance(kind, ast.Name) and kind.id == "bool"), "negatable": False, "deprecated": False}
+            _add(flags, [name, *(_values(args.get("aliases"), {}) or ())], action, choices)
+    for node in ast.walk(ast.parse((SRT / "server_args.py").read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args \
-                and isinstance(node.args[0], ast.Constant):
-            action = next((k.value for k in node.keywords if k.arg == "action"), None)
-            deprecated = isinstance(action, ast.Name) and action.id.startswith("Deprecated")
-            flags[node.args[0].value] = {"value": not deprecated, "choices": None, "deprecated": deprecated}
+                and all(isinstance(a, ast.Constant) for a in node.args):
+            keywords = {k.arg: k.value for k in node.keywords}
+            action = _action(keywords.get("action")) or {"value": True, "negatable": False, "deprecated": False}
+            _add(flags, [a.value for a in node.args], action, _values(keywords.get("choices"), CONSTANTS))
     return flags
+
+
+def _add(flags: dict[str, dict], names: list[str], action: dict, choices: set | None) -> None:
+    spec = {"value": action["value"], "choices": choices, "deprecated": action["deprecated"]}
+    for name in names:
+        flags[name] = spec
+        if action["negatable"]:
+            flags["--no-" + name.removeprefix("--")] = spec
 
 
 def test_the_launch_flags_we_document_are_sglangs():
