@@ -286,3 +286,19 @@ def test_copies_stay_while_the_server_may_read_them():
     kept, adapter_kept = run(eng, body())
     assert kept == [[True], [True, False], [False, False, False]]  # the unanswered copy goes once one succeeds
     assert adapter_kept and not Path(adapters[0]).exists()  # gone once the launched server stopped
+
+
+def test_idle_connections_close_before_vllm_closes_them():
+    """vLLM's API server closes a connection idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (read from the
+    vLLM that scripts/setup-vllm.sh installs); the client must give up on it first."""
+    from miles_core.engines.http import IDLE_CONNECTION_S
+
+    lib = Path(__file__).resolve().parents[2] / ".cache" / "vllm-env" / "lib"
+    envs = sorted(lib.glob("python3*/site-packages/vllm/envs.py"))
+    if not envs:
+        if os.environ.get("CI"):
+            pytest.fail("vLLM's environment is missing: scripts/test.sh builds it")
+        pytest.skip("vLLM's environment is not built (scripts/setup-vllm.sh)")
+    text = envs[0].read_text()
+    default = text.split('os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "', 1)[1].split('"', 1)[0]
+    assert IDLE_CONNECTION_S < float(default) - 1, (IDLE_CONNECTION_S, default)

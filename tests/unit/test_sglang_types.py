@@ -290,3 +290,19 @@ def test_the_launch_flags_we_document_are_sglangs():
             assert set(values) <= spec["choices"], f"{flag} {values}: not among {sorted(map(str, spec['choices']))}"
     checked = {f for f, _ in given if flags[f]["choices"] is not None}
     assert {"--dtype", "--lora-target-modules", "--cuda-graph-backend-decode"} <= checked
+
+
+def test_idle_connections_close_before_sglang_and_uvicorn_close_them():
+    """SGLang (and the stand-in server, on uvicorn's default) closes a connection idle for its
+    keep-alive; a client that keeps it longer may send on one being closed ("Server disconnected")."""
+    import inspect
+
+    import uvicorn
+
+    from miles_core.engines.http import IDLE_CONNECTION_S
+
+    environ = (SRT / "environ.py").read_text()
+    (line,) = [ln for ln in environ.splitlines() if "SGLANG_TIMEOUT_KEEP_ALIVE =" in ln]
+    sglang = float(line.split("EnvInt(", 1)[1].split(")", 1)[0])
+    stand_in = float(inspect.signature(uvicorn.Config).parameters["timeout_keep_alive"].default)
+    assert IDLE_CONNECTION_S < min(sglang, stand_in) - 1, (IDLE_CONNECTION_S, sglang, stand_in)
