@@ -64,9 +64,9 @@ class VLLMEngine(HTTPEngine):
     """A ``RolloutEngine`` that talks to a vLLM server at ``url``. ``model``: the served name of the
     base model (None: the first of ``GET /v1/models`` without a parent). ``server``: a
     ``LocalVLLMServer`` this engine owns and stops on ``close()``. ``seed``: seeds requests without
-    one (deterministically, in the order they are submitted; None: vLLM's own generator). ``model_dir``: the served model's
-    folder, which weight snapshots are checked against before a reload (default: the launched
-    server's; None with a server at a URL: not checked). Weights and adapters on remote storage
+    one (deterministically, in the order they are submitted; None: vLLM's own generator).
+    ``model_dir``: the served model's folder, which weight snapshots are checked against before a
+    reload (default: the launched server's; None with a server at a URL: not checked). Weights and adapters on remote storage
     (``s3://...``, read with ``storage_options``) are copied to this machine's disk first when the
     server runs here (launched, or at a loopback URL); a remote server must read them itself."""
 
@@ -80,11 +80,11 @@ class VLLMEngine(HTTPEngine):
         """Seeds of requests that carry none, drawn in the order they are submitted: vLLM's own
         generator serves concurrent requests in arrival order, which differs from run to run."""
         self.storage_options = dict(storage_options or {})
-        self._adapter_copies: dict[str, list[list[str]]] = {}
+        self._adapter_copies: dict[str, list[str]] = {}
         """Adapter name -> the folders we copied for it (its loaded version's, and any of a load
         that got no answer): removed when its next version loads."""
-        self._leftovers: list[list[str]] = []
-        """Folders made for weight reloads, removed once one succeeds."""
+        self._leftovers: list[str] = []
+        """Scratch folders of weight reloads that got no answer, removed once one succeeds."""
         self._model = model
         self.model_dir = model_dir if model_dir is not None else getattr(server, "model_dir", None)
         self._version = 0
@@ -117,14 +117,16 @@ class VLLMEngine(HTTPEngine):
         report ``version`` from then on (running requests freeze meanwhile, and continue under the
         new weights). With a launched server, the snapshot's tensors are checked against the served
         model's first: vLLM reloads in place, tensor by tensor, and would keep the old values of
-        missing ones. What is made on the way (a copy of remote weights, a staging folder) is
-        removed once the server has answered: vLLM reads the folder during the call only. After a
-        call with no answer (a timeout, a cancellation) the server may still be reading it, so it
-        stays until a reload succeeds (the server runs them one at a time), or the engine closes."""
-        made: list[str] = []
+        missing ones. What is made on the way for a server on this machine (a copy of remote
+        weights, a staging folder), all in one scratch folder, is removed once the server has
+        answered: vLLM reads it during the call only. After a call with no answer (a timeout, a
+        cancellation) the server may still be reading it, so it stays until a reload succeeds (the
+        server runs them one at a time), or the engine closes."""
+        scratch = tempfile.mkdtemp(prefix="miles-vllm-weights-") if self._server_here() else None
+        mine = [scratch] if scratch else []
         reloaded = refused = False
         try:
-            path = await asyncio.to_thread(self._snapshot_folder, uri, made)
+            path = await asyncio.to_thread(self._snapshot_folder, uri, scratch)
             paused_here = not self._paused
             if paused_here:
                 await self._post("/pause?mode=keep")
@@ -143,27 +145,31 @@ class VLLMEngine(HTTPEngine):
             raise
         finally:
             if refused:
-                _remove(made)
+                _remove(mine)
             else:
-                self._leftovers.append(made)  # this very list: a copy still being made lands in it too
-                if reloaded:  # the server is done with this folder, and with those of earlier calls
-                    self._remove_leftovers()
+                self._leftovers += mine
+            if reloaded:  # the server is done with this folder, and with those of earlier calls
+                _remove(self._leftovers)
+                self._leftovers.clear()
 
-    def _snapshot_folder(self, uri: str, made: list[str]) -> str:
-        """The folder vLLM reloads ``uri`` from: the snapshot folder itself, or a staging folder of
-        links to its files when it is one file (vLLM reads folders) or when the
+    def _snapshot_folder(self, uri: str, scratch: str | None) -> str:
+        """The folder vLLM reloads ``uri`` from: the snapshot folder itself, or a staging folder (in
+        ``scratch``) of links to its files when it is one file (vLLM reads folders) or when the
         served model ties ``lm_head`` to the embeddings and the snapshot leaves ``lm_head.weight``
         out: vLLM 0.32's in-place reload then keeps the old ``lm_head`` (measured: logprobs off by
-        0.44 on the tiny model), so the staging folder adds it, a copy of the new embeddings. The
-        folders made on the way (a copy of remote weights, the staging folder) are added to ``made``."""
-        path = self._local(uri, made)
+        0.44 on the tiny model), so the staging folder adds it, a copy of the new embeddings. A run's
+        own snapshots are folders with ``lm_head.weight``, so a server elsewhere (no ``scratch``) never
+        needs one."""
+        path = self._local(uri, scratch)
         given = check_snapshot(uri, path, self.model_dir) if self.model_dir is not None else None
         add_head = given is not None and "lm_head.weight" not in given and _ties_embeddings(self.model_dir)
         if not os.path.isfile(path) and not add_head:
             return path
-        here = None if self._server_here() else os.path.dirname(os.path.abspath(path))
-        stage = Path(tempfile.mkdtemp(prefix=".miles-vllm-stage-", dir=here))  # on the disk the server reads
-        made.append(str(stage))
+        if scratch is None:
+            raise ValueError(f"weights {uri}: a vLLM server on another machine reloads a snapshot folder as it "
+                             "is; give it a folder of safetensors with every weight (lm_head.weight included)")
+        stage = Path(scratch) / "stage"
+        stage.mkdir()
         files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).glob("*.safetensors"))
         for f in files:
             (stage / ("model.safetensors" if os.path.isfile(path) else f.name)).symlink_to(f.resolve())
@@ -185,33 +191,32 @@ class VLLMEngine(HTTPEngine):
 
         return self.server is not None or urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1")
 
-    def _local(self, uri: str, made: list[str]) -> str:
+    def _local(self, uri: str, scratch: str | None) -> str:
         """A path on this machine for ``uri``: itself when local; for remote storage, a copy of its
-        file or folder (when the server runs here and so reads this disk), added to ``made``."""
-        if uri.startswith("file://") or "://" not in uri or not self._server_here():
+        file or folder in ``scratch`` (given when the server runs here, and so reads this disk)."""
+        if scratch is None or not _remote(uri):
             return local_path(uri)  # raises for remote storage: a server elsewhere reads its own disk
-        made.append(tempfile.mkdtemp(prefix="miles-vllm-copy-"))
-        return copy_to_disk(uri, made[-1], self.storage_options)
+        return copy_to_disk(uri, os.path.join(scratch, "copy"), self.storage_options)
 
     async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
         """Load (or replace) adapter ``name`` from the PEFT folder ``uri``. A copy of a remote
         folder stays while that version may be loaded (vLLM reloads an evicted adapter from its
         path): until the next version of ``name`` loads, or a launched server stops."""
-        made: list[str] = []
+        scratch = tempfile.mkdtemp(prefix="miles-vllm-adapter-") if _remote(uri) and self._server_here() else None
+        mine = [scratch] if scratch else []
         try:
-            path = await asyncio.to_thread(self._local, uri, made)
+            path = await asyncio.to_thread(self._local, uri, scratch)
             body = {"lora_name": name, "lora_path": path, "load_inplace": name in self._adapter_versions}
             await self._post("/v1/load_lora_adapter", body, timeout=self.cfg.request_timeout_s)
         except EngineHTTPError:
-            _remove(made)  # refused: the server does not use it
+            _remove(mine)  # refused: the server does not use it
             raise
         except BaseException:
-            self._adapter_copies.setdefault(name, []).append(made)  # it may have loaded all the same
+            self._adapter_copies.setdefault(name, []).extend(mine)  # it may have loaded all the same
             raise
         self._adapter_versions[name] = version
-        for older in self._adapter_copies.pop(name, []):
-            _remove(older)
-        self._adapter_copies[name] = [made]
+        _remove(self._adapter_copies.pop(name, []))
+        self._adapter_copies[name] = mine
 
     async def close(self) -> None:
         """Close the client (and stop a launched server). Copies of weights are removed; copies of
@@ -220,17 +225,11 @@ class VLLMEngine(HTTPEngine):
         try:
             await super().close()
         finally:
-            self._remove_leftovers()
+            _remove(self._leftovers)
+            self._leftovers.clear()
             if self.server is not None:
-                for copies in self._adapter_copies.values():
-                    for made in copies:
-                        _remove(made)
+                _remove([folder for copies in self._adapter_copies.values() for folder in copies])
                 self._adapter_copies.clear()
-
-    def _remove_leftovers(self) -> None:
-        for made in self._leftovers:
-            _remove(made)
-        self._leftovers.clear()
 
     async def pause(self) -> None:
         await self._post("/pause?mode=keep")
@@ -372,11 +371,16 @@ def _remove(folders: list[str]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _remote(uri: str) -> bool:
+    """Whether ``uri`` is on remote storage (``s3://...``), not a local path or ``file://`` URL."""
+    return "://" in uri and not uri.startswith("file://")
+
+
 def local_path(uri: str) -> str:
     """The folder path a vLLM server reads for ``uri`` (a local path or ``file://`` URL)."""
     if uri.startswith("file://"):
         return uri[len("file://"):]
-    if "://" in uri:
+    if _remote(uri):
         raise ValueError(f"{uri}: a vLLM server loads weights from a folder on its own disk; keep the run's "
                          "weights on a filesystem the server reads (storage.root), or serve them there")
     return uri

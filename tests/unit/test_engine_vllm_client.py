@@ -152,11 +152,14 @@ def test_snapshots_are_checked_against_the_served_model(tmp_path):
                           names=load_file(f"{folder}/model.safetensors").keys())
         return 200, {}
 
-    eng, seen = engine(reload, model="m", model_dir=str(served))
+    eng, seen = engine(reload, model="m", model_dir=str(served), server=Server())  # a server on this machine
     run(eng, eng.update_weights(str(good), 1))
     assert torch.equal(staged["head"], state["model.embed_tokens.weight"] * 2)
     assert staged["names"] == state.keys()
     assert not os.path.exists(staged["folder"])  # vLLM reads it during the call only: removed after
+    far, _ = engine(reload, model="m", model_dir=str(served))  # on another machine: no staging there
+    with pytest.raises(ValueError, match="on another machine reloads a snapshot folder as it is"):
+        run(far, far.update_weights(str(good), 1))
 
 
 def test_weights_must_be_on_the_servers_disk():

@@ -175,10 +175,11 @@ def test_the_checked_types_are_what_the_engine_module_documents():
 def _constants(tree: ast.Module, env: dict[str, set | None]) -> None:
     """Add the module's constants, and its classes' (as ``Class.NAME``), to ``env``, evaluated."""
     for node in tree.body:
-        if isinstance(node, ast.ClassDef):
+        if isinstance(node, ast.ClassDef):  # its body sees its own names first
             inner = dict(env)
             _constants(ast.Module(body=node.body, type_ignores=[]), inner)
-            env.update({f"{node.name}.{k}": v for k, v in inner.items() if k not in env or inner[k] is not env[k]})
+            own = {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            env.update({f"{node.name}.{k}": inner[k] for k in own})
         elif isinstance(node, ast.Assign):
             env.update({t.id: _values(node.value, env) for t in node.targets if isinstance(t, ast.Name)})
 
