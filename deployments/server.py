@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import quote
 
+from miles_core import processes
+
 DEFAULT_HOME = Path(".cache/miles/prefect-server")
 DEFAULT_PORT = 4200  # Prefect's usual port, so the URL stays the same from one start to the next
 HOST = "127.0.0.1"
@@ -542,11 +544,7 @@ def _alive(pid: int, name: str) -> bool:
     Reaps it first when it is our own exited child, so a zombie does not count either."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and name in _cmdline(pid)
+    return processes.alive(pid) and name in _cmdline(pid)
 
 
 def _stop_process_group(pid: int, timeout: float) -> None:

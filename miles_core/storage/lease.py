@@ -5,7 +5,8 @@
 gives it back when the run ends. A second trainer of the same run id is refused with
 ``RunBusy``, naming the holder (host, pid, flow run) and when it last renewed. A lease is taken
 over when it expired (not renewed for ``ttl_s``: its holder died or lost storage) or when its
-holder is a process of this host that no longer exists (a run killed with SIGKILL resumes at once).
+holder is a process of this host that no longer trains: gone, a zombie not yet reaped, or a later
+process that reuses its pid (``miles_core.processes``). So a run killed with SIGKILL resumes at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 import time
 import uuid
 from typing import Any
+
+from miles_core import processes
 
 LEASE_FILE = "lease.json"
 
@@ -29,7 +32,8 @@ class RunLease:
                  clock=time.time) -> None:
         self.layout, self.ttl_s, self.clock = layout, ttl_s, clock
         self.token = uuid.uuid4().hex
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), **(owner or {})}
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "process": processes.identity(),
+                      **(owner or {})}
         self._stop = threading.Event()
         self.lost: str | None = None
         """Why the lease was lost while held (taken over after it expired), or None."""
@@ -72,9 +76,9 @@ class RunLease:
             return f"expired {age:.0f} s after its last renewal"
         if held.get("host") == socket.gethostname():
             pid = int(held.get("pid", -1))
-            if pid == os.getpid():
+            if pid == os.getpid() and held.get("process") in (None, processes.identity()):
                 return "it is this process's (a run begun again here)"
-            if not _alive(pid):
+            if not processes.alive(pid, held.get("process")):
                 return f"its process {pid} is gone"
         return None
 
@@ -92,14 +96,3 @@ def _who(held: dict[str, Any]) -> str:
         who += f" (flow run {held['flow_run_id']})"
     return who
 
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -29,6 +29,18 @@ ADAPTERS = {
 }
 
 
+# The fused pass batches rows of several adapters together, so every matmul and reduction sums in
+# another order than the separate trainer's: fp32 rounds each sum of k terms to within ~k * 1.2e-7
+# (k up to a few hundred here: hidden size, sequence, vocabulary), and the loss, a mean of
+# advantage-weighted terms of either sign, loses a further factor ~10-100 to cancellation. 2e-4
+# relative is what that arithmetic allows (a machine measured 1.03e-5 on the loss); a real bug
+# (another adapter's prompts, a dropped token, a wrong scale) moves these metrics by percent.
+METRIC_RTOL = 2e-4
+# Two AdamW steps move a weight by ~lr (1e-3..3e-3) each; a gradient component near zero can round
+# to another Adam direction, so weights may differ by a small fraction of one step, never by a step.
+WEIGHT_ATOL = 1e-5
+
+
 def bank_of(model_dir, tmp_path, adapters=ADAPTERS, **kw):
     bank = AdapterBank(str(model_dir), **kw)
     trainers = {n: bank.add(n, lora, cfg, FolderWeightStore(tmp_path / n)) for n, (lora, cfg) in adapters.items()}
@@ -70,8 +82,9 @@ def test_each_adapters_fused_step_is_its_own_peft_step(tiny_model_dir, tmp_path,
         assert not errors
         for n in ADAPTERS:
             assert got[n]["num_optimizer_steps"] == want[n]["num_optimizer_steps"] >= 1
-            for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "train_tokens"):
-                assert got[n][k] == pytest.approx(want[n][k], rel=1e-5, abs=1e-7), (n, k)
+            assert got[n]["train_tokens"] == want[n]["train_tokens"]
+            for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+                assert got[n][k] == pytest.approx(want[n][k], rel=METRIC_RTOL, abs=1e-7), (n, k)
             assert fused[n].version == separate[n].version
     assert bank.adapters_per_step == [3, 3]  # one step for all three, each time
     for n in ADAPTERS:
@@ -80,7 +93,7 @@ def test_each_adapters_fused_step_is_its_own_peft_step(tiny_model_dir, tmp_path,
         moved = [k for k in w if not torch.equal(w[k], torch.zeros_like(w[k])) and ".lora_B." in k]
         assert moved, f"adapter {n} did not train"
         for k in w:
-            torch.testing.assert_close(w[k], s[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{n} {k}: {m}")
+            torch.testing.assert_close(w[k], s[k], atol=WEIGHT_ATOL, rtol=1e-4, msg=lambda m, k=k: f"{n} {k}: {m}")
 
 
 def test_export_loads_in_peft_with_the_banks_logits_and_merge_is_peft_merge(tiny_model_dir, tmp_path):

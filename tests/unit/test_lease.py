@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from miles_core import processes
 from miles_core.storage.layout import RunLayout
 from miles_core.storage.lease import LEASE_FILE, RunBusy, RunLease
 
@@ -35,9 +36,11 @@ def other_process():
     proc.wait()
 
 
-def _held_by(layout, pid: int, clock, host: str | None = None, flow_run_id: str | None = "fr-1") -> None:
+def _held_by(layout, pid: int, clock, host: str | None = None, flow_run_id: str | None = "fr-1",
+             process: str | None = None) -> None:
     layout.write_json(LEASE_FILE, {"host": host or socket.gethostname(), "pid": pid, "flow_run_id": flow_run_id,
-                                   "token": "theirs", "renewed_at": clock(), "ttl_s": 60.0})
+                                   "process": process or processes.identity(pid), "token": "theirs",
+                                   "renewed_at": clock(), "ttl_s": 60.0})
 
 
 def test_a_live_lease_refuses_a_second_trainer_naming_the_holder(layout, other_process):
@@ -75,6 +78,34 @@ def test_the_lease_of_a_killed_process_of_this_host_is_taken_at_once(layout):
     _held_by(layout, dead.pid, clock)
     lease = RunLease(layout, clock=clock).acquire()
     lease.release()
+
+
+def test_the_lease_of_a_killed_process_not_yet_reaped_is_taken_at_once(layout):
+    """A SIGKILLed holder stays a zombie until its parent reaps it, and a zombie answers kill(pid, 0):
+    it must not lock the run (here this test is the parent and reaps it only at the end)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    clock = Clock()
+    _held_by(layout, holder.pid, clock)
+    holder.kill()
+    try:
+        wait_for_zombie(holder.pid)
+        os.kill(holder.pid, 0)  # still answers: the old check would call it alive
+        RunLease(layout, clock=clock).acquire().release()
+    finally:
+        holder.stdin.close()
+        holder.wait()
+
+
+def test_the_lease_of_a_pid_now_used_by_another_process_is_taken_at_once(layout, other_process):
+    """pids are reused: a live process with the holder's pid but another start is not the holder."""
+    clock = Clock()
+    _held_by(layout, other_process, clock, process="another-boot:12345")
+    RunLease(layout, clock=clock).acquire().release()
+
+
+def wait_for_zombie(pid: int) -> None:
+    """Block until our killed child ``pid`` has exited, leaving it unreaped (a zombie)."""
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
 
 def test_release_leaves_a_lease_that_is_not_its_own(layout, other_process):

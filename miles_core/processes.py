@@ -1,0 +1,62 @@
+"""Is a process still the one we knew? Liveness that survives zombies and recycled pids.
+
+``os.kill(pid, 0)`` answers "some process has this pid", which is not "the process that wrote this
+record still runs": a process killed with SIGKILL stays a zombie (and answers) until its parent or
+init reaps it, and the kernel hands its pid to a new process later. ``identity(pid)`` names one
+process for the life of the machine (the boot it runs in and its start time in clock ticks);
+``alive(pid, identity)`` is true only while that very process runs and is not a zombie.
+
+Linux reads ``/proc``; elsewhere there is no start time to compare, and ``alive`` falls back to
+``kill(pid, 0)``. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first); None if no such process."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()  # the name may hold spaces and parentheses
+
+
+def _boot_id() -> str:
+    try:
+        return (_PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def identity(pid: int | None = None) -> str | None:
+    """``"BOOT:START"`` for process ``pid`` (this one by default): equal for the same process, different
+    for any later process that reuses the pid. None where ``/proc`` is missing or the process is gone."""
+    fields = _stat_fields(os.getpid() if pid is None else pid)
+    if fields is None or len(fields) < 20:
+        return None
+    return f"{_boot_id()}:{fields[19]}"  # field 22 of stat (starttime), counting pid and name
+
+
+def alive(pid: int, known_as: str | None = None) -> bool:
+    """Whether process ``pid`` runs and is not a zombie; with ``known_as`` (an ``identity``), also
+    whether it is still that process and not a later one with the same pid."""
+    if pid <= 0:
+        return False
+    if _PROC.is_dir():
+        fields = _stat_fields(pid)
+        if fields is None or fields[0] in ("Z", "X"):
+            return False
+        return known_as is None or identity(pid) == known_as
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
