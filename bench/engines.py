@@ -54,7 +54,8 @@ LABELS = {"hf": "transformers, in process", "stand-in": "stand-in server (HTTP)"
 def model_dir(name: str) -> str:
     """The demo's tiny model, or the ~30M model (built once under .cache/bench-engines)."""
     from miles_core.config import ModelConfig, TinyModelRecipe
-    from miles_core.models.tiny import build_untrained, ensure_model
+    from miles_core.models import ensure_model
+    from miles_core.models.tiny import build_untrained
 
     if name == "tiny":
         return str(ensure_model(ModelConfig(), log=lambda *_: None))

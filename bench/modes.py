@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from miles_core.config import ModelConfig
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     if args.engine == "server" and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {0})  # the trainer's core; the engine server takes core 1

@@ -160,7 +160,7 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from miles_core.config import ModelConfig
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     model_dir = str(ensure_model(ModelConfig(), log=lambda *_: None))
     rows = []

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from miles_core.config import ModelConfig, ToyDataConfig
     from miles_core.data.toy import toy_problems
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     systems = args.systems.split(",")
     for system in systems:

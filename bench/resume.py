@@ -150,7 +150,7 @@ def main() -> None:
     import torch
 
     from miles_core.config import ModelConfig
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     torch.set_num_threads(1)
     model_dir = str(ensure_model(ModelConfig()))

@@ -104,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_defaults(getattr(args, "verbose", False))
     tiny_model_threads(cfg.model.path)  # before torch is imported, here and in every process the run starts
     if args.command == "build-model":
-        from miles_core.models.tiny import ensure_model
+        from miles_core.models import ensure_model
 
-        print(ensure_model(cfg.model, shipped=not args.no_shipped))
+        try:
+            print(ensure_model(cfg.model, shipped=not args.no_shipped))
+        except (ValueError, FileNotFoundError) as e:  # ModelUnavailable is a ValueError
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "serve":
         try:
@@ -119,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get(stopping.SUPERVISED):  # Ctrl-C reaches only the supervisor, which stops the run cleanly
             return stopping.supervise(sys.argv[1:] if argv is None else list(argv))
         stopping.install_stop_handlers()
+        try:
+            _starting_model(cfg)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         try:
             return _train(args.command, cfg)
         except RunBusy as e:
@@ -190,6 +199,14 @@ def _without_run_id(argv: list[str]) -> list[str]:
         elif not a.startswith("--run-id="):
             out.append(a)
     return out
+
+
+def _starting_model(cfg) -> None:
+    """Find (build, import) the run's starting model here, before any flow starts, so that a model
+    that cannot be had is one line on stderr, not a traceback in a task's log."""
+    from miles_core.models import ensure_model
+
+    ensure_model(cfg.model, log=lambda line: print(line, file=sys.stderr))
 
 
 def _train(command: str, cfg) -> int:

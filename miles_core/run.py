@@ -51,7 +51,7 @@ def prepare_run(cfg: RunConfig, log=print, owner: dict[str, Any] | None = None) 
     """Build or find the starting model, take the run's lease (one trainer per run: ``RunBusy``
     when another process trains this run id; ``owner`` is what the lease says of this one, e.g.
     its flow run), then write the config (without secrets)."""
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
     from miles_core.storage.lease import RunLease
     from miles_core.storage.layout import RunLayout, new_run_id
 

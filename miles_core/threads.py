@@ -20,9 +20,13 @@ from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 
 def tiny_model_threads(model_path: str, env: MutableMapping[str, str] = os.environ) -> None:
-    from miles_core.models.tiny import BUILTIN_TINY
+    from miles_core.models import TINY, ModelUnavailable, builtin_name
 
-    if model_path == BUILTIN_TINY:
+    try:
+        tiny = builtin_name(model_path) == TINY
+    except ModelUnavailable:  # said later, where the run looks for its model
+        tiny = False
+    if tiny:
         env.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -91,7 +91,7 @@ def toy_run(engine: str, python: str, server) -> dict | None:
 
 
 def main() -> int:
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     model = sys.argv[1] if len(sys.argv) > 1 else str(ensure_model(ModelConfig(), log=lambda *_: None))
     rows, ok = [], True

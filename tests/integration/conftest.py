@@ -23,7 +23,7 @@ def prefect_backend():
 def demo_model() -> str:
     """The demo's warm-started tiny model (its shipped build, copied into the cache once)."""
     from miles_core.config import ModelConfig
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     return str(ensure_model(ModelConfig(), log=lambda *_: None))
 

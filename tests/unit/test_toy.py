@@ -156,7 +156,7 @@ TINY = TinyModelRecipe(
 
 
 def _ensure(cfg: ModelConfig) -> tuple[Path, list[str]]:
-    from miles_core.models.tiny import ensure_model
+    from miles_core.models import ensure_model
 
     logs: list[str] = []
     return ensure_model(cfg, log=logs.append), logs
@@ -251,12 +251,19 @@ def test_concurrent_callers_build_once(tmp_path):
 def test_local_folder_is_checked(tmp_path, tiny_model_dir):
     assert _ensure(ModelConfig(path=str(tiny_model_dir)))[0] == Path(tiny_model_dir)
     missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=f"{missing}.*does not exist.*builtin:tiny-addition"):
+    with pytest.raises(FileNotFoundError, match=f"{missing}.*does not exist.*tiny-addition, smollm2-135m-instruct"):
         _ensure(ModelConfig(path=str(missing)))
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         _ensure(ModelConfig(path=str(tmp_path)))
-    with pytest.raises(ValueError, match="only built-in model"):
-        _ensure(ModelConfig(path="builtin:tiny-multiply"))
+    for unknown in ("builtin:tiny-multiply", "smollm3-3b"):  # a name no built-in model has, listing the ones there are
+        with pytest.raises(ValueError, match=f"{unknown!r} is neither a built-in model "
+                                             r"\(tiny-addition, smollm2-135m-instruct\) nor a local folder"):
+            _ensure(ModelConfig(path=unknown))
+
+
+def test_the_tiny_model_is_named_with_or_without_builtin(built):
+    cfg, folder, _ = built
+    assert _ensure(cfg.model_copy(update={"path": "tiny-addition"}))[0] == folder
 
 
 def test_task_and_cache_modules_import_without_torch():
