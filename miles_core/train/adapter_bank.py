@@ -283,11 +283,11 @@ class AdapterBank:
                     active[name] = (denom, trainer._trained_micro_batches(mb), defaultdict(list))
             for j in range(max((len(m) for _, m, _ in active.values()), default=0)):
                 group = [(name, m[j]) for name, (_, m, _) in active.items() if j < len(m)]
-                logits = self._joint_logits(group, {name: work[name][0].temperature for name, _ in group})
+                logits = self._joint_logits(group)
                 total = None
                 for (name, mb), lg in zip(group, logits):
                     trainer, (denom, _, parts) = self.trainers[name], active[name]
-                    loss, metrics = trainer._loss_of(mb, lg, denom)
+                    loss, metrics = trainer._loss_of(mb, lg, denom, work[name][0].temperature)
                     trainer._keep(parts, metrics)
                     total = loss if total is None else total + loss
                 total.backward()
@@ -295,9 +295,9 @@ class AdapterBank:
                 outcomes[name].append(self.trainers[name]._apply(parts))
         return outcomes
 
-    def _joint_logits(self, group: list[tuple[str, TokenBatch]], temperatures: dict[str, float]) -> list[Tensor]:
+    def _joint_logits(self, group: list[tuple[str, TokenBatch]]) -> list[Tensor]:
         """One forward pass of every micro-batch in ``group`` (rows side by side, right-padded to the
-        widest), each routed to its adapter; each micro-batch's logits, cut back to its own width.
+        widest), each routed to its adapter; each micro-batch's raw logits (views), cut back to its own width.
         With ``share_prompt_forward``, each adapter's prompts run once (``shared_prompt``), never
         shared across adapters: their weights differ."""
         width = max(mb.input_ids.shape[1] for _, mb in group)
@@ -323,11 +323,10 @@ class AdapterBank:
             return self.route([(n, bounds[k], bounds[k + 1]) for k, n in enumerate(names) if counts[k]])
 
         share = all(self.trainers[name].cfg.share_prompt_forward for name in names)
-        out = forward_logits(self.model, rows, share, route).float()
+        out = forward_logits(self.model, rows, share, route)
         logits, at = [], 0
-        for name, mb in group:
-            t = temperatures[name]
-            logits.append(out[at : at + mb.num_rows, : mb.input_ids.shape[1]] / (t if t > 0 else 1.0))
+        for _, mb in group:
+            logits.append(out[at : at + mb.num_rows, : mb.input_ids.shape[1]])
             at += mb.num_rows
         return logits
 
@@ -361,10 +360,10 @@ class BankedLoraTrainer(TorchTrainer):
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.bank.step(self.name, batch)
 
-    def _logits(self, model: nn.Module, mb: TokenBatch, temperature: float, route: Route | None = None) -> Tensor:
+    def _logits(self, model: nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
         if route is None and self.bank.routes is not _BASE:  # the reference pass keeps the base's routing
             route = self._route
-        return super()._logits(model, mb, temperature, route)
+        return super()._logits(model, mb, route)
 
     def _route(self, rows: Tensor) -> AbstractContextManager:
         """Every row of a pass through this adapter."""

@@ -196,9 +196,9 @@ class DeepSpeedTrainer(TorchTrainer):
 
     # ------------------------------------------------------------------------------------ step
 
-    def _logits(self, model: torch.nn.Module, mb: TokenBatch, temperature: float, route=None) -> Tensor:
+    def _logits(self, model: torch.nn.Module, mb: TokenBatch, route=None) -> Tensor:
         # the policy's passes go through the engine (its forward hooks: ZeRO-3 gathers, bf16)
-        return super()._logits(self.engine if model is self.model else model, mb, temperature, route)
+        return super()._logits(self.engine if model is self.model else model, mb, route)
 
     def _rank_micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
         """This rank's share of ``tokens`` in micro-batches: (row indices into ``tokens``, rows).
@@ -221,7 +221,7 @@ class DeepSpeedTrainer(TorchTrainer):
         out = torch.zeros_like(tokens.loss_mask)
         with _eval_mode(model):
             for rows, mb in self._rank_micro_batches(tokens):
-                lp = token_logprobs(self._logits(model, mb, temperature), mb.labels)
+                lp = token_logprobs(self._logits(model, mb), mb.labels, temperature)
                 if len(rows):
                     out[rows, : lp.shape[1]] = lp
         return self._sum_over_ranks(out)

@@ -1,7 +1,10 @@
 """Policy-gradient loss math: pure functions on tensors, masks always explicit.
 
 Parts:
-- ``token_logprobs`` / ``entropy_from_logits``: per-token quantities from logits.
+- ``token_logprobs_and_entropy`` (and ``token_logprobs`` / ``entropy_from_logits``): per-token
+  quantities from logits, computed over chunks of tokens with a backward of their own, so a 49k
+  vocabulary never costs more full-vocabulary tensors of the whole micro-batch than its logits and
+  their gradient.
 - ``reduce_tokens`` / ``reducer_denominator``: how a ``[B, T]`` tensor of token values becomes one
   number (``token_mean``, ``seq_mean`` or ``seq_sum``), with an optional external denominator so that micro-batch
   pieces of a minibatch add up to exactly the minibatch's value (gradient accumulation).
@@ -44,17 +47,77 @@ KLKind = Literal["k1", "k2", "k3"]
 ISMode = Literal["truncate", "mask"]
 
 
+CHUNK_ELEMENTS = 1 << 24
+"""Logits a chunk of tokens spans (tokens x vocabulary): 64 MB of fp32 for each temporary of a chunk
+(341 tokens of a 49,152-token vocabulary)."""
+
+
+def token_logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Per token of ``logits`` [..., V] (any float dtype) at temperature T (T <= 0 means 1), in fp32:
+    logp = log_softmax(z)[label] and H = -sum_v p_v log p_v, z = logits / T.
+
+    Memory at the floor: the work runs over chunks of ``CHUNK_ELEMENTS`` logits, so no full-vocabulary
+    temporary of the whole batch is made (the plain formulas make five: the fp32 copy, z, exp, log_softmax,
+    p log p), and autograd keeps the caller's logits and one number per token, not a softmax. The
+    backward recomputes each chunk's softmax and writes d/dlogits once:
+    dlogp/dz = onehot(label) - p, dH/dz = -p (log p + H), each divided by T."""
+    return _LogprobEntropy.apply(logits, labels, 1.0 / (temperature if temperature > 0 else 1.0))
+
+
 def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """logp[b, t] = log_softmax(logits[b, t] / T)[labels[b, t]], computed in fp32; T <= 0 means T = 1."""
-    scale = temperature if temperature > 0 else 1.0
-    z = logits.float() / scale
-    return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    """logp[b, t] = log_softmax(logits[b, t] / T)[labels[b, t]], in fp32 (``token_logprobs_and_entropy``)."""
+    return token_logprobs_and_entropy(logits, labels, temperature)[0]
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """H[b, t] = -sum_v p_v log p_v with p = softmax(logits[b, t]), computed in fp32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    """H[b, t] = -sum_v p_v log p_v with p = softmax(logits[b, t]), in fp32 (``token_logprobs_and_entropy``)."""
+    return token_logprobs_and_entropy(logits, torch.zeros(logits.shape[:-1], dtype=torch.long,
+                                                          device=logits.device))[1]
+
+
+def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
+        vocab = logits.shape[-1]
+        flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
+        logp = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        for s, e in _chunks(flat.shape[0], vocab):
+            z = flat[s:e].float() * inv_t  # a new tensor: .float() of fp32 logits is the logits themselves
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            log_p = z.sub_(lse[s:e, None])
+            logp[s:e] = log_p.gather(-1, flat_labels[s:e]).squeeze(-1)
+            entropy[s:e] = -(log_p.exp() * log_p).sum(-1)  # not lse - sum p z: that cancels digits away
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.inv_t = inv_t
+        ctx.set_materialize_grads(False)  # an output nobody differentiates comes back as None: its term is skipped
+        return logp.view(labels.shape), entropy.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        vocab, inv_t = logits.shape[-1], ctx.inv_t
+        flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
+        g_lp = None if grad_logp is None else grad_logp.reshape(-1, 1).float()
+        g_h = None if grad_entropy is None else grad_entropy.reshape(-1, 1).float()
+        grad = torch.empty_like(flat)
+        for s, e in _chunks(flat.shape[0], vocab):
+            log_p = (flat[s:e].float() * inv_t).sub_(lse[s:e, None])
+            p = log_p.exp()
+            if g_h is not None:  # dH/dz = -p (log p + H)
+                g = log_p.add_(entropy[s:e, None]).mul_(p).mul_(-g_h[s:e])
+            else:
+                g = torch.zeros_like(p)
+            if g_lp is not None:  # dlogp/dz = onehot - p
+                g.sub_(p.mul_(g_lp[s:e]))
+                g.scatter_add_(-1, flat_labels[s:e], g_lp[s:e])
+            grad[s:e] = g.mul_(inv_t)
+        return grad.view_as(logits), None, None
 
 
 # -------------------------------------------------------------------------------------- reducers

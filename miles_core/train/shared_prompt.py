@@ -101,8 +101,8 @@ def shared_prompt_logits(model: nn.Module, input_ids: Tensor, lengths: Tensor, p
     with route(torch.arange(rows, device=device)):
         r_logits = model(input_ids=r_ids, attention_mask=torch.cat([p_mask[inverse], r_mask.long()], 1),
                          position_ids=r_cols, use_cache=False, **{cache_kwarg(model): cache}).logits
-    out = r_logits.new_zeros(rows, width, r_logits.shape[-1])
+    out = r_logits.new_zeros(rows, width, r_logits.shape[-1])  # filled in place: one full-vocabulary tensor
     every = torch.arange(rows, device=device)
-    out = out.index_put((every, prompt_lens - 1), p_logits[inverse, torch.searchsorted(last, prompt_lens - 1)])
+    out.index_put_((every, prompt_lens - 1), p_logits[inverse, torch.searchsorted(last, prompt_lens - 1)])
     r_rows = every[:, None].expand(rows, r_width)[r_mask]
-    return out.index_put((r_rows, r_cols[r_mask]), r_logits[r_mask])
+    return out.index_put_((r_rows, r_cols[r_mask]), r_logits[r_mask])

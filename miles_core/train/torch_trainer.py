@@ -76,7 +76,6 @@ from miles_core.dtypes import torch_dtype
 from miles_core.train.base import TrainBatch
 from miles_core.train.batch import TokenBatch, collate
 from miles_core.train.losses import (
-    entropy_from_logits,
     kl_penalty,
     mismatch_metrics,
     reduce_tokens,
@@ -84,6 +83,7 @@ from miles_core.train.losses import (
     rollout_correction,
     setup_policy_loss,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from miles_core.train.shared_prompt import Route, forward_logits
 from miles_core.types import Sample
@@ -293,11 +293,11 @@ class TorchTrainer:
         for start in range(0, tokens.num_rows, self.cfg.micro_batch_size):
             yield tokens.select(rows[start : start + self.cfg.micro_batch_size])
 
-    def _logits(self, model: torch.nn.Module, mb: TokenBatch, temperature: float, route: Route | None = None) -> Tensor:
-        """The logits of ``model`` at ``temperature``, aligned like ``mb.labels`` (the shared-prompt
-        pass when ``share_prompt_forward`` is on: ``shared_prompt``)."""
-        logits = forward_logits(model, mb, self.cfg.share_prompt_forward, route)
-        return logits.float() / (temperature if temperature > 0 else 1.0)
+    def _logits(self, model: torch.nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
+        """The raw logits of ``model`` (its dtype), aligned like ``mb.labels`` (the shared-prompt pass
+        when ``share_prompt_forward`` is on: ``shared_prompt``). The temperature is applied chunk by
+        chunk where they are used (``token_logprobs_and_entropy``), never to a copy of the whole."""
+        return forward_logits(model, mb, self.cfg.share_prompt_forward, route)
 
     @torch.no_grad()
     def _forward_logprobs(self, model: torch.nn.Module, tokens: TokenBatch, temperature: float) -> Tensor:
@@ -305,7 +305,7 @@ class TorchTrainer:
         start = 0
         with _eval_mode(model):
             for mb in self._micro_batches(tokens):
-                lp = token_logprobs(self._logits(model, mb, temperature), mb.labels)
+                lp = token_logprobs(self._logits(model, mb), mb.labels, temperature)
                 out[start : start + mb.num_rows, : lp.shape[1]] = lp
                 start += mb.num_rows
         return out
@@ -364,12 +364,13 @@ class TorchTrainer:
 
     def _micro_loss(self, mb: TokenBatch, denom: float, temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the minibatch loss (divided by the minibatch's ``denom``)."""
-        return self._loss_of(mb, self._logits(self.model, mb, temperature), denom)
+        return self._loss_of(mb, self._logits(self.model, mb), denom, temperature)
 
-    def _loss_of(self, mb: TokenBatch, logits: Tensor, denom: float) -> tuple[Tensor, dict[str, Tensor]]:
-        """``_micro_loss`` from the micro-batch's logits (the policy's, at the batch's temperature)."""
+    def _loss_of(self, mb: TokenBatch, logits: Tensor, denom: float,
+                 temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
+        """``_micro_loss`` from the micro-batch's raw logits (the policy's) and the batch's temperature."""
         cfg, reducer = self.cfg, self.policy_loss.reducer
-        logprobs = token_logprobs(logits, mb.labels)
+        logprobs, token_entropy = token_logprobs_and_entropy(logits, mb.labels, temperature)
         old_logprobs, weights, correction = mb.old_logprobs, mb.is_weights, None
         if old_logprobs is None:  # one pass: this pass's logprobs are the denominator
             old_logprobs = logprobs.detach()
@@ -390,9 +391,9 @@ class TorchTrainer:
             kl = reduce_tokens(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_type), mb.loss_mask, reducer, denom)
         if cfg.kl_loss_coef > 0:
             loss = loss + cfg.kl_loss_coef * kl
-        # the entropy keeps its graph only when it is part of the loss
-        with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = reduce_tokens(entropy_from_logits(logits), mb.loss_mask, reducer, denom)
+        # the entropy's term of the backward is computed only when it is part of the loss
+        entropy = reduce_tokens(token_entropy if cfg.entropy_coef > 0 else token_entropy.detach(), mb.loss_mask,
+                                reducer, denom)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * entropy
         metrics.update(loss=loss.detach(), pg_loss=pg_loss.detach(), kl=kl.detach(), entropy=entropy.detach())
