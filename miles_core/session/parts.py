@@ -75,7 +75,9 @@ class RunFiles:
         layout = RunLayout(cfg.storage.root, cfg.name, refs.run_id, opts, retry=retry)
         stream = SampleStream(refs.run_dir, producer="rollout", storage_options=opts, retry=retry,
                               compression=cfg.storage.segment_compression)
-        return cls(layout, stream, WeightStore(layout.weights, storage_options=opts, retry=retry))
+        weights = WeightStore(layout.weights, storage_options=opts, retry=retry, dtype=cfg.storage.snapshot_dtype,
+                              tied_once=cfg.engines_tie_weights())
+        return cls(layout, stream, weights)
 
 
 class EngineLoop:

@@ -110,6 +110,7 @@ class TrainerSide:
         version = self.trainer.version
         if metrics["num_optimizer_steps"] > 0:
             uri = self.trainer.export(version)
+            self._retain()
             self.skipped_in_a_row = []
         else:  # nothing applied (every sample failed, or nothing finite): the engine keeps its weights
             uri = self.weights_uri(version)
@@ -122,6 +123,17 @@ class TrainerSide:
             staleness_max=float(max(lags, default=0)),
         )
         return TrainRef(step=step, version=version, weights_uri=uri, metrics=metrics)
+
+    def _retain(self) -> None:
+        """Delete weight versions but the newest ``storage.keep_snapshots``, the checkpoints' and pinned
+        ones (an evaluation's), so a long run's snapshots stay bounded."""
+        from miles_core.session.checkpoints import checkpoint_versions
+
+        keep = self.cfg.storage.keep_snapshots
+        if keep is not None:
+            deleted = self.files.weights.retain(keep, pinned=checkpoint_versions(self.files.layout))
+            if deleted:
+                log.debug("weight versions deleted by retention: %s", deleted)
 
     def _skipped(self, step: int, metrics: dict[str, float], groups: list[Group]) -> None:
         """Count a step that changed nothing; ``train.max_skipped_steps`` in a row fail the run."""

@@ -70,10 +70,15 @@ class WeightStore:
     """Weight snapshots of one policy (or adapter), one folder per version."""
 
     def __init__(
-        self, weights_dir_url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+        self, weights_dir_url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None,
+        dtype: str | None = None, tied_once: bool = False,
     ):
+        """``dtype``: floating tensors are published in it (None: as given); ``tied_once``: a tensor
+        that shares storage with an earlier one (a tied ``lm_head.weight``) is left out instead of
+        copied, for engines that tie it again on load."""
         self.fs, self.path = open_fs(weights_dir_url, storage_options)
         self.retry = retry or DEFAULT_RETRY
+        self.dtype, self.tied_once = dtype, tied_once
 
     @property
     def base_uri(self) -> str:
@@ -93,7 +98,7 @@ class WeightStore:
     ) -> str:
         """Write ``state_dict`` as ``version``; returns the version's URI. Versions are immutable."""
         folder = self._new_version_folder(version)
-        data = _serialize(state_dict, {**(metadata or {}), "miles.version": str(version)})
+        data = _serialize(state_dict, {**(metadata or {}), "miles.version": str(version)}, self.dtype, self.tied_once)
         model = join(folder, MODEL_FILE)
         self._call(lambda: atomic_write(self.fs, model, data), model)
         return self._commit(version, folder, {MODEL_FILE: len(data)})
@@ -358,11 +363,17 @@ def _load_committed(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, torch
         raise ValueError(f"cannot decode {join(uri, MODEL_FILE)}: {e}") from e
 
 
-def _serialize(state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors bytes of CPU, contiguous tensors. Tensors that share storage with an earlier
-    one (tied embeddings) are copied, since safetensors refuses shared storage."""
+def _serialize(state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str], dtype: str | None = None,
+               tied_once: bool = False) -> bytes:
+    """safetensors bytes of CPU, contiguous tensors (floating ones in ``dtype`` when given). A tensor
+    that shares storage with an earlier one (tied embeddings) is left out with ``tied_once``, else
+    copied, since safetensors refuses shared storage."""
     import torch
     from safetensors.torch import save
+
+    from miles_core.dtypes import torch_dtype
+
+    cast = None if dtype is None else torch_dtype(dtype, "WeightStore")
 
     bad_meta = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad_meta:
@@ -375,9 +386,11 @@ def _serialize(state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str])
         t = t.detach().cpu().contiguous()
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen and t.numel():
+            if tied_once:
+                continue
             t = t.clone()
         seen.add(ptr)
-        tensors[name] = t
+        tensors[name] = t.to(cast) if cast is not None and t.is_floating_point() else t
     return save(tensors, metadata={"format": "pt", **metadata})
 
 

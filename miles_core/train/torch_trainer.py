@@ -406,8 +406,8 @@ class TorchTrainer:
         dict, or with LoRA the adapter's state dict (PEFT's names, as in ``adapter_model.safetensors``;
         ``merge()`` gives the full weights).
 
-        Tied parameters (``lm_head.weight`` is ``embed_tokens.weight``) become separate copies, which
-        safetensors accepts and ``load_state_dict`` loads back into the tied model."""
+        Tied parameters (``lm_head.weight`` is ``embed_tokens.weight``) stay one tensor under both
+        names (the weight store writes it once or twice, as its engines need)."""
         if self.lora is None:
             state = self.model.state_dict()
         else:
@@ -543,7 +543,15 @@ def save_torch(fs: Any, path: str, state: dict[str, Any]) -> None:
 
 
 def _cpu_copies(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    """Contiguous CPU copies, one per tensor: names that share a tensor (tied weights) share its copy."""
+    copies: dict[tuple[int, int], Tensor] = {}
+    out = {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else (id(v), 0)
+        if key not in copies:
+            copies[key] = v.detach().to("cpu", copy=True).contiguous()
+        out[k] = copies[key]
+    return out
 
 
 def _few(names: list[str], n: int = 3) -> str:

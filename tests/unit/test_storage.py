@@ -149,3 +149,41 @@ def test_storage_imports_without_torch_or_pyarrow():
     code = "import sys, miles_core.storage; print(sorted({'torch', 'pyarrow'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_snapshots_in_the_configured_dtype_with_a_tied_head_stored_once(root):
+    import torch
+
+    embed = torch.randn(10, 4)
+    tied = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "steps": torch.tensor([3])}
+    plain = WeightStore(join(root, "plain"))
+    plain.publish(1, tied)
+    got = plain.load(1)
+    assert set(got) == set(tied) and got["lm_head.weight"].dtype == torch.float32  # a server engine's copy
+    lean = WeightStore(join(root, "lean"), dtype="bfloat16", tied_once=True)
+    lean.publish(1, tied)
+    got = lean.load(1)
+    assert set(got) == {"model.embed_tokens.weight", "steps"}, "the tied head is left for the engine to tie"
+    assert got["model.embed_tokens.weight"].dtype == torch.bfloat16 and got["steps"].dtype == torch.int64
+    torch.testing.assert_close(got["model.embed_tokens.weight"].float(), embed, rtol=2**-8, atol=0)
+    untied = {"a": torch.ones(3), "b": torch.ones(3)}  # equal values, separate tensors: both stay
+    lean.publish(2, untied)
+    assert set(lean.load(2)) == {"a", "b"}
+
+
+def test_retention_keeps_the_newest_the_checkpoints_and_the_pinned_versions(root):
+    from miles_core.session.checkpoints import checkpoint_versions
+    from miles_core.storage.layout import CHECKPOINT_STATE, checkpoint_dir
+
+    layout = RunLayout(root, "toy", "run1")
+    store = WeightStore(layout.weights)
+    for v in range(1, 11):
+        store.publish(v, state_dict(float(v)))
+    layout.write_json(f"{checkpoint_dir(4)}/{CHECKPOINT_STATE}", {"step": 4, "version": 4, "data_source": None})
+    layout.write_json(f"{checkpoint_dir(8)}/trainer.pt", {})  # a checkpoint whose save did not finish: no state
+    store.pin(2, "eval-step-2")
+    assert checkpoint_versions(layout) == {4}
+    assert store.retain(3, pinned=checkpoint_versions(layout)) == [1, 3, 5, 6, 7]
+    assert store.versions() == [2, 4, 8, 9, 10]
+    store.unpin(2, "eval-step-2")
+    assert store.retain(3, pinned=checkpoint_versions(layout)) == [2]

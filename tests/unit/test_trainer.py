@@ -35,16 +35,17 @@ REWARDS_B = [[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]]
 
 
 class FakeWeightStore:
-    """The one WeightStore method the trainer calls; writes safetensors like the real store."""
+    """The one WeightStore method the trainer calls; writes the bytes the real store writes (a tied
+    head written out, as for a server engine), as one file."""
 
     def __init__(self, root):
         self.root = root
 
     def publish(self, version, state_dict, metadata=None):
-        from safetensors.torch import save_file
+        from miles_core.storage.weights import _serialize
 
         path = self.root / f"v{version:06d}.safetensors"
-        save_file(state_dict, str(path))
+        path.write_bytes(_serialize(state_dict, metadata or {}))
         return str(path)
 
 
