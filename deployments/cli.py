@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             return stopping.supervise(sys.argv[1:] if argv is None else list(argv))
         stopping.install_stop_handlers()
         try:
-            _starting_model(cfg)
+            _preflight(cfg)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -201,11 +201,13 @@ def _without_run_id(argv: list[str]) -> list[str]:
     return out
 
 
-def _starting_model(cfg) -> None:
-    """Find (build, import) the run's starting model here, before any flow starts, so that a model
-    that cannot be had is one line on stderr, not a traceback in a task's log."""
+def _preflight(cfg) -> None:
+    """What must hold before any flow starts, so that it fails as one line on stderr, not a traceback
+    in a task's log: the held-out datasets resolve (a file dataset needs held-out prompts), and the
+    starting model is found (built, imported once)."""
     from miles_core.models import ensure_model
 
+    cfg.eval.resolved(cfg.data, cfg.rollout)
     ensure_model(cfg.model, log=lambda line: print(line, file=sys.stderr))
 
 

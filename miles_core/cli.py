@@ -92,6 +92,7 @@ FLAGS: dict[str, str] = {
     "--eval-num-prompts": "eval.num_prompts",
     "--skip-eval-before-train": "eval.skip_eval_before_train",
     "--save-interval": "checkpoint.save_interval",
+    "--max-tokens-per-gpu": "train.max_tokens_per_gpu",
     "--keep-checkpoints": "checkpoint.keep_checkpoints",
     "--mode": "mode.type",
     "--update-weights-interval": "mode.update_weights_interval",
@@ -149,6 +150,7 @@ SWITCHES: dict[str, tuple[str, Any]] = {
     "--fully-async": ("mode.type", "fully_async"),
     "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
     "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
+    "--use-dynamic-batch-size": ("train.use_dynamic_batch_size", True),
 }
 KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
 

@@ -747,6 +747,12 @@ class TrainConfig(_Base):
     first train on samples drawn by older weights: see the ``offpolicy_*`` metrics."""
     micro_batch_size: int = Field(default=64, ge=1)
     """Samples per forward/backward pass; gradients accumulate up to ``global_batch_size``."""
+    use_dynamic_batch_size: bool = False
+    """Cut micro-batches by tokens instead of samples: as many samples as fit in ``max_tokens_per_gpu``
+    tokens once padded to the longest of them (Miles' ``--use-dynamic-batch-size``). Bounds the
+    memory of a pass when response lengths vary; the torch trainer (DeepSpeed keeps ``micro_batch_size``)."""
+    max_tokens_per_gpu: int | None = Field(default=None, ge=1)
+    """Tokens per forward/backward pass with ``use_dynamic_batch_size`` (Miles' ``--max-tokens-per-gpu``)."""
     share_prompt_forward: bool = True
     """Run each prompt once per micro-batch, its samples' responses on top of its cached keys and
     values (``train.shared_prompt``): the same logprobs and gradients up to rounding, at (n - 1) / n
@@ -854,6 +860,9 @@ class TrainConfig(_Base):
             )
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the decay ends at min_lr")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("train.use_dynamic_batch_size needs train.max_tokens_per_gpu (--max-tokens-per-gpu N): "
+                             "the tokens a micro-batch may hold")
         return self
 
     def lr_at(self, step: int) -> float:

@@ -9,7 +9,8 @@ Parts:
   0), the quantity the trainer recomputes.
 - ``EngineStats``: counters of dispatches, decode batches and calls served (``HFEngine.stats``).
 - ``sample_tokens``: one decode step's temperature / top-k / top-p sampling, by inverse CDF.
-- ``read_safetensors``: a weight snapshot (file, folder, or sharded folder) from any fsspec URL.
+- ``Snapshot``: a weight snapshot (file, folder, or sharded folder) at any fsspec URL, read one
+  tensor at a time as it is loaded.
 
 Concurrency: ``generate`` calls queue up. Whenever the model is free and the engine is not paused,
 one dispatcher task takes every queued call and runs all their requests together in a worker
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tempfile
 import threading
 import warnings
@@ -206,11 +208,17 @@ class HFEngine:
         has finished, then report ``version``. Keys are checked before the model is touched. Once
         this waits for the running batch, calls queued behind it run after the load, on the new weights."""
         self._ensure_open()
-        state = await asyncio.to_thread(self._read_matching_state, uri)
-        async with self._lock:
-            self._ensure_open()
-            await _in_thread(self._load_state, state)
-            self._version = version
+        snapshot = await asyncio.to_thread(self._read_matching_state, uri)
+        loading = False
+        try:
+            async with self._lock:
+                self._ensure_open()
+                loading = True  # the load's thread closes the snapshot when done, even if this call is cancelled
+                await _in_thread(self._load_state, snapshot)
+                self._version = version
+        finally:
+            if not loading:
+                snapshot.close()
 
     async def load_adapter(self, name: str, uri: str, version: int = 0) -> None:
         """Load the LoRA adapter in PEFT's folder format at ``uri`` (a local folder or any fsspec
@@ -486,38 +494,43 @@ class HFEngine:
 
     # ------------------------------------------------------------------------------- weights
 
-    def _read_matching_state(self, uri: str) -> dict[str, torch.Tensor]:
-        """Read the snapshot and check it against the model's keys and shapes. Tied weights (one
-        tensor under several names, such as ``lm_head.weight`` and ``model.embed_tokens.weight``)
-        may come under any of their names."""
-        state = read_safetensors(uri, self.storage_options)
-        own = {name: self._base.state_dict()[actual] for name, actual in self._base_names().items()}
-        for names in _alias_groups(own):
-            present = [n for n in names if n in state]
-            if present:
-                for n in names:
-                    state.setdefault(n, state[present[0]])
-        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-        if missing or unexpected:
-            raise ValueError(
-                f"weights at {uri} do not fit the model: "
-                f"missing keys {_few(missing)}, unexpected keys {_few(unexpected)}"
-            )
-        bad = [f"{k}: {tuple(state[k].shape)} vs model {tuple(t.shape)}" for k, t in own.items()
-               if state[k].shape != t.shape]
-        if bad:
-            raise ValueError(f"weights at {uri} have wrong shapes: {_few(bad)}")
-        return state
+    def _read_matching_state(self, uri: str) -> Snapshot:
+        """Open the snapshot and check it against the model's keys and shapes (from the files' headers).
+        Tied weights (one tensor under several names, such as ``lm_head.weight`` and
+        ``model.embed_tokens.weight``) may come under any of their names."""
+        snapshot = Snapshot(uri, self.storage_options)
+        try:
+            own = {name: self._base.state_dict()[actual] for name, actual in self._base_names().items()}
+            for names in _alias_groups(own):
+                present = [n for n in names if n in snapshot.names]
+                if present:
+                    for n in names:
+                        snapshot.names.setdefault(n, snapshot.names[present[0]])
+            missing, unexpected = sorted(own.keys() - snapshot.names.keys()), sorted(snapshot.names.keys() - own.keys())
+            if missing or unexpected:
+                raise ValueError(
+                    f"weights at {uri} do not fit the model: "
+                    f"missing keys {_few(missing)}, unexpected keys {_few(unexpected)}"
+                )
+            bad = [f"{k}: {snapshot.shape(k)} vs model {tuple(t.shape)}" for k, t in own.items()
+                   if snapshot.shape(k) != tuple(t.shape)]
+            if bad:
+                raise ValueError(f"weights at {uri} have wrong shapes: {_few(bad)}")
+        except BaseException:
+            snapshot.close()
+            raise
+        return snapshot
 
     @torch.no_grad()
-    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load base weights; loaded adapters stay as they are."""
-        names = self._base_names()
-        if not self.adapters:
-            self._base.load_state_dict(state, strict=True)
-            return
-        result = self._base.load_state_dict({names[k]: v for k, v in state.items()}, strict=False)
-        assert not result.unexpected_keys and all(".lora_" in k for k in result.missing_keys), result
+    def _load_state(self, snapshot: Snapshot) -> None:
+        """Copy the snapshot's weights into the base model, one tensor at a time (cast to the model's
+        dtype); loaded adapters stay as they are."""
+        try:
+            own = self._base.state_dict()
+            for name, actual in self._base_names().items():
+                snapshot.load_into(name, own[actual])
+        finally:
+            snapshot.close()
 
     def _base_names(self) -> dict[str, str]:
         """Snapshot name -> the base model's own name of each weight. A LoRA layer renames the
@@ -632,26 +645,61 @@ def _local_folder(uri: str, storage_options: dict[str, Any] | None = None) -> It
         yield copy_to_disk(uri, tmp, storage_options)
 
 
-def read_safetensors(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of the snapshot at ``uri``: a ``.safetensors`` file, or a folder holding
-    ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``."""
-    import fsspec
-    from safetensors.torch import load
+class Snapshot:
+    """A weight snapshot opened for loading (a ``.safetensors`` file, or a folder holding
+    ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``, at any fsspec
+    URL): ``names`` maps each tensor's name to the one it is stored under (tied names added by the
+    engine), ``shape`` reads a header, ``load_into`` reads one tensor into a parameter. Loading
+    holds no second copy of the weights: a tensor of the parameter's dtype is read straight into it,
+    another one (a bf16 snapshot of a float32 model) through one temporary tensor. A remote
+    snapshot is copied to a local temporary folder first (removed by ``close``)."""
 
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    if fs.isdir(path):
-        files = _snapshot_files(fs, path.rstrip("/"), uri)
-    elif fs.exists(path):
-        files = [path]
-    else:
-        raise FileNotFoundError(f"no weights at {uri}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load(fs.cat_file(f)))
-        except Exception as e:  # safetensors raises its own error types for malformed files
-            raise ValueError(f"{uri}: {f} is not a readable safetensors file: {e}") from e
-    return state
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        from miles_core.storage.fs import is_local, open_fs
+        from miles_core.storage.weights import SafetensorsFile
+
+        fs, path = open_fs(uri, storage_options)
+        if fs.isdir(path):
+            files = _snapshot_files(fs, path.rstrip("/"), uri)
+        elif fs.exists(path):
+            files = [path]
+        else:
+            raise FileNotFoundError(f"no weights at {uri}")
+        self._tmp = None
+        if not is_local(fs):
+            self._tmp = tempfile.TemporaryDirectory(prefix="miles-weights-")
+            local = [os.path.join(self._tmp.name, f"{i}.safetensors") for i in range(len(files))]
+            for remote, here in zip(files, local):
+                fs.get_file(remote, here)
+            files = local
+        self._files: dict[str, SafetensorsFile] = {}
+        self.names: dict[str, str] = {}
+        for f in files:
+            try:
+                opened = SafetensorsFile(f)
+            except (ValueError, OSError) as e:
+                self.close()
+                raise ValueError(f"{uri}: {f} is not a readable safetensors file: {e}") from e
+            for name in opened.entries:
+                self._files[name] = opened
+                self.names[name] = name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._files[self.names[name]].shape(self.names[name])
+
+    def load_into(self, name: str, param: torch.Tensor) -> None:
+        stored = self.names[name]
+        file = self._files[stored]
+        if file.dtype(stored) == param.dtype and param.is_contiguous():
+            file.read_into(stored, param)
+        else:
+            param.copy_(file.tensor(stored))
+
+    def close(self) -> None:
+        self._files = {}
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
 
 def _snapshot_files(fs: Any, folder: str, uri: str) -> list[str]:

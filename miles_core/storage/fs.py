@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 import fsspec.asyn
@@ -120,6 +120,19 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
         fs.pipe_file(path, data)
 
 
+def atomic_write_stream(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[BinaryIO], int]) -> int:
+    """``atomic_write`` for data produced piece by piece: ``write(f)`` writes it to ``f`` and returns
+    how many bytes it wrote (returned here), so no whole copy of it is ever held in memory. Local: a
+    fsynced temp file renamed into place; elsewhere one streamed upload, visible whole when it closes."""
+    if not is_local(fs):
+        with fs.open(path, "wb") as f:
+            return write(f)
+    written = []
+    with _local_temp(path, lambda f: written.append(write(f))) as tmp:
+        os.replace(tmp, path)
+    return written[0]
+
+
 def _atomic_write_local(path: str, data: bytes) -> None:
     """Temp file in the same folder (same filesystem, so rename is atomic), fsync, then rename."""
     with _local_temp(path, data) as tmp:
@@ -127,8 +140,9 @@ def _atomic_write_local(path: str, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _local_temp(path: str, data: bytes):
-    """A fsynced temp file beside ``path`` holding ``data``; removed on exit if still there.
+def _local_temp(path: str, data: bytes | Callable[[BinaryIO], Any]):
+    """A fsynced temp file beside ``path`` holding ``data`` (bytes, or a function that writes them to
+    the open file); removed on exit if still there.
 
     The temp name starts with a dot and has a random suffix, so readers that match exact names
     ignore it, and a crashed writer leaves only a stray temp file behind.
@@ -139,12 +153,16 @@ def _local_temp(path: str, data: bytes):
     try:
         try:
             with open(tmp, "xb") as f:
-                f.write(data)
+                if callable(data):
+                    data(f)
+                else:
+                    f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # a write error names no file: say which, and what to do when the disk is full
             hint = "; the disk is full: free space there, or move storage.root" if e.errno == errno.ENOSPC else ""
-            raise OSError(e.errno, f"{path}: cannot write {len(data)} bytes ({e.strerror}){hint}") from e
+            size = "" if callable(data) else f" {len(data)} bytes"
+            raise OSError(e.errno, f"{path}: cannot write{size} ({e.strerror}){hint}") from e
         yield tmp
     finally:
         try:

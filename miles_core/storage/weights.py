@@ -37,6 +37,7 @@ from miles_core.storage.fs import (
     PreconditionFailed,
     RetryPolicy,
     atomic_write,
+    atomic_write_stream,
     basename,
     cas_write,
     create_only_write,
@@ -98,10 +99,11 @@ class WeightStore:
     ) -> str:
         """Write ``state_dict`` as ``version``; returns the version's URI. Versions are immutable."""
         folder = self._new_version_folder(version)
-        data = _serialize(state_dict, {**(metadata or {}), "miles.version": str(version)}, self.dtype, self.tied_once)
+        layout = _SafetensorsLayout(state_dict, {**(metadata or {}), "miles.version": str(version)}, self.dtype,
+                                    self.tied_once)
         model = join(folder, MODEL_FILE)
-        self._call(lambda: atomic_write(self.fs, model, data), model)
-        return self._commit(version, folder, {MODEL_FILE: len(data)})
+        size = self._call(lambda: atomic_write_stream(self.fs, model, layout.write), model)
+        return self._commit(version, folder, {MODEL_FILE: size})
 
     def publish_folder(self, version: int, local_dir: str | os.PathLike) -> str:
         """Publish the files of a local folder as ``version`` (e.g. a LoRA adapter in PEFT's folder
@@ -363,35 +365,110 @@ def _load_committed(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, torch
         raise ValueError(f"cannot decode {join(uri, MODEL_FILE)}: {e}") from e
 
 
-def _serialize(state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str], dtype: str | None = None,
-               tied_once: bool = False) -> bytes:
-    """safetensors bytes of CPU, contiguous tensors (floating ones in ``dtype`` when given). A tensor
-    that shares storage with an earlier one (tied embeddings) is left out with ``tied_once``, else
-    copied, since safetensors refuses shared storage."""
-    import torch
-    from safetensors.torch import save
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
-    from miles_core.dtypes import torch_dtype
 
-    cast = None if dtype is None else torch_dtype(dtype, "WeightStore")
+class SafetensorsFile:
+    """A local safetensors file read tensor by tensor with plain reads (not a memory map, whose pages
+    would count as the reader's memory while it is open): ``entries`` gives each tensor's dtype name,
+    shape and byte range from the header; ``read_into(name, out)`` fills ``out`` (same dtype, shape,
+    contiguous) straight from the file, so a model's parameter can be loaded with no copy in between."""
 
-    bad_meta = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
-    if bad_meta:
-        raise TypeError(f"weight metadata must map str to str; bad entries: {bad_meta}")
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel():
-            if tied_once:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= os.path.getsize(path) - 8:
+                raise ValueError(f"{path}: not a safetensors file (header length {size})")
+            header = json.loads(f.read(size))
+        self.data_start = 8 + size
+        self.entries: dict[str, dict[str, Any]] = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((e["data_offsets"][1] for e in self.entries.values()), default=0)
+        if self.data_start + end > os.path.getsize(path):
+            raise ValueError(f"{path}: cut short ({os.path.getsize(path)} bytes; its header needs {self.data_start + end})")
+
+    def dtype(self, name: str) -> torch.dtype:
+        import torch
+
+        code = self.entries[name]["dtype"]
+        by_code = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+        if code not in by_code:
+            raise ValueError(f"{self.path}: tensor {name} has dtype {code}, which this reader does not take")
+        return getattr(torch, by_code[code])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        begin, end = self.entries[name]["data_offsets"]
+        if not out.is_contiguous() or out.dtype != self.dtype(name) or tuple(out.shape) != self.shape(name):
+            raise ValueError(f"{self.path}: {name} cannot be read into a {out.dtype} tensor of shape {tuple(out.shape)}")
+        if end > begin:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + begin)
+                view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+                if f.readinto(view) != end - begin:
+                    raise ValueError(f"{self.path}: cut short inside {name}")
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        import torch
+
+        return self.read_into(name, torch.empty(self.shape(name), dtype=self.dtype(name)))
+
+
+class _SafetensorsLayout:
+    """A state dict as one safetensors file, written tensor by tensor (``write``): the header first,
+    then each tensor's bytes straight from its memory, cast to ``dtype`` (floating tensors) or moved
+    to the CPU one at a time. So publishing never holds a second copy of the weights, where
+    ``safetensors.torch.save`` holds two (each tensor's bytes, then the file's). A tensor that is an
+    earlier one under another name (tied embeddings) is left out with ``tied_once``, else written
+    again (safetensors refuses shared storage)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str], dtype: str | None,
+                 tied_once: bool) -> None:
+        import torch
+
+        from miles_core.dtypes import torch_dtype
+
+        bad_meta = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
+        if bad_meta:
+            raise TypeError(f"weight metadata must map str to str; bad entries: {bad_meta}")
+        cast = None if dtype is None else torch_dtype(dtype, "WeightStore")
+        self.tensors: list[tuple[str, torch.Tensor, torch.dtype]] = []
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
+        seen, offset = set(), 0
+        for name, t in state_dict.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+            same = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if tied_once and t.numel() and same in seen:
                 continue
-            t = t.clone()
-        seen.add(ptr)
-        tensors[name] = t.to(cast) if cast is not None and t.is_floating_point() else t
-    return save(tensors, metadata={"format": "pt", **metadata})
+            seen.add(same)
+            out = cast if cast is not None and t.is_floating_point() else t.dtype
+            size = t.numel() * out.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[str(out).removeprefix("torch.")], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + size]}
+            self.tensors.append((name, t, out))
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        self.header = text + b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+
+    def write(self, f) -> int:
+        import torch
+
+        f.write(len(self.header).to_bytes(8, "little"))
+        f.write(self.header)
+        size = 8 + len(self.header)
+        for _, t, dtype in self.tensors:
+            data = t.detach().to("cpu", dtype).contiguous().reshape(-1)
+            if data.numel():
+                f.write(memoryview(data.view(torch.uint8).numpy()))
+                size += data.numel() * dtype.itemsize
+        return size
 
 
 def _check_version(version: int) -> int:

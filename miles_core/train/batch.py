@@ -154,3 +154,22 @@ def _prompt_index(samples: list[Sample]) -> list[int]:
     """Each sample's prompt as a number: equal prompt tokens, equal numbers (in order of first appearance)."""
     seen: dict[tuple[int, ...], int] = {}
     return [seen.setdefault(tuple(s.prompt_ids), len(seen)) for s in samples]
+
+
+def micro_batch_rows(lengths: Tensor, size: int, max_tokens: int | None = None) -> list[Tensor]:
+    """The row indices of each micro-batch of rows with ``lengths`` tokens, in order: ``size`` rows
+    each, or, with ``max_tokens`` (Miles' dynamic batch size), as many rows as fit in ``max_tokens``
+    tokens once padded to the longest of them (rows x longest), at least one row each (a row longer
+    than ``max_tokens`` goes alone)."""
+    n = len(lengths)
+    if max_tokens is None:
+        return [torch.arange(start, min(start + size, n)) for start in range(0, n, size)]
+    cuts, start, longest = [], 0, 0
+    for i, length in enumerate(lengths.tolist()):
+        longest = max(longest, length)
+        if i > start and (i - start + 1) * longest > max_tokens:
+            cuts.append(torch.arange(start, i))
+            start, longest = i, length
+    if n:
+        cuts.append(torch.arange(start, n))
+    return cuts

@@ -74,7 +74,7 @@ from torch import Tensor
 from miles_core.config import TrainConfig
 from miles_core.dtypes import torch_dtype
 from miles_core.train.base import TrainBatch
-from miles_core.train.batch import TokenBatch, collate
+from miles_core.train.batch import TokenBatch, collate, micro_batch_rows
 from miles_core.train.losses import (
     kl_penalty,
     mismatch_metrics,
@@ -289,9 +289,9 @@ class TorchTrainer:
                 and cfg.kl_coef == 0 and (not cfg.use_tis or cfg.tis_mode == "truncate") and not self._random_forward)
 
     def _micro_batches(self, tokens: TokenBatch) -> Iterator[TokenBatch]:
-        rows = torch.arange(tokens.num_rows, device=self.device)
-        for start in range(0, tokens.num_rows, self.cfg.micro_batch_size):
-            yield tokens.select(rows[start : start + self.cfg.micro_batch_size])
+        max_tokens = self.cfg.max_tokens_per_gpu if self.cfg.use_dynamic_batch_size else None
+        for rows in micro_batch_rows(tokens.lengths.cpu(), self.cfg.micro_batch_size, max_tokens):
+            yield tokens.select(rows.to(self.device))
 
     def _logits(self, model: torch.nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
         """The raw logits of ``model`` (its dtype), aligned like ``mb.labels`` (the shared-prompt pass
@@ -428,8 +428,8 @@ class TorchTrainer:
         """Publish the policy as ``version``: the full weights, or with LoRA the adapter folder
         (``adapter_config.json`` + ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``
         and the engines' ``load_adapter``). Returns the version's URI."""
-        if self.lora is None:
-            return self.weight_store.publish(version, self.weights())
+        if self.lora is None:  # the weights themselves: the store writes them one tensor at a time, no copy
+            return self.weight_store.publish(version, {k: v.detach() for k, v in self.model.state_dict().items()})
         name = self.lora.adapter_name
         with tempfile.TemporaryDirectory() as tmp:
             self.model.save_pretrained(tmp, selected_adapters=[name])

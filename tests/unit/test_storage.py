@@ -187,3 +187,45 @@ def test_retention_keeps_the_newest_the_checkpoints_and_the_pinned_versions(root
     assert store.versions() == [2, 4, 8, 9, 10]
     store.unpin(2, "eval-step-2")
     assert store.retain(3, pinned=checkpoint_versions(layout)) == [2]
+
+
+def test_snapshot_files_are_what_safetensors_reads_for_every_dtype_and_shape(root):
+    """The store writes safetensors itself, tensor by tensor: safetensors reads every dtype, a 0-d
+    and an empty tensor, a non-contiguous one, and the metadata back exactly."""
+    import torch
+
+    state = {"f32": torch.randn(3, 5), "bf16": torch.randn(4).bfloat16(), "i64": torch.arange(7),
+             "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+             "transposed": torch.randn(4, 6).t(), "u8": torch.arange(5, dtype=torch.uint8)}
+    store = WeightStore(join(root, "w"))
+    store.publish(1, state, metadata={"note": "hi"})
+    assert store.metadata(1) == {"format": "pt", "note": "hi", "miles.version": "1"}
+    loaded = store.load(1)  # safetensors.torch.load of the file's bytes
+    assert set(loaded) == set(state)
+    for name, t in state.items():
+        got = loaded[name]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
+
+
+def test_a_snapshot_file_is_read_tensor_by_tensor_into_given_memory(tmp_path):
+    """``SafetensorsFile`` reads what safetensors writes, straight into a caller's tensor (a model's
+    parameter), and refuses a file cut short, naming it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from miles_core.storage.weights import SafetensorsFile
+
+    state = {"w": torch.randn(4, 3), "b": torch.randn(5).bfloat16(), "n": torch.arange(3), "e": torch.zeros(0)}
+    path = tmp_path / "m.safetensors"
+    save_file(state, str(path))
+    f = SafetensorsFile(str(path))
+    assert f.shape("w") == (4, 3) and f.dtype("b") == torch.bfloat16
+    param = torch.empty(4, 3)
+    assert f.read_into("w", param) is param and torch.equal(param, state["w"])
+    for name, t in state.items():
+        assert torch.equal(f.tensor(name), t), name
+    with pytest.raises(ValueError, match="cannot be read into a torch.float32 tensor of shape"):
+        f.read_into("b", torch.empty(5))  # another dtype: the caller reads a tensor and casts
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=f"{path}: cut short"):
+        SafetensorsFile(str(path))

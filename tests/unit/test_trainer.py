@@ -42,10 +42,11 @@ class FakeWeightStore:
         self.root = root
 
     def publish(self, version, state_dict, metadata=None):
-        from miles_core.storage.weights import _serialize
+        from miles_core.storage.weights import _SafetensorsLayout
 
         path = self.root / f"v{version:06d}.safetensors"
-        path.write_bytes(_serialize(state_dict, metadata or {}))
+        with open(path, "wb") as f:
+            _SafetensorsLayout(state_dict, metadata or {}, None, tied_once=False).write(f)
         return str(path)
 
 
@@ -746,3 +747,26 @@ def test_the_cache_argument_follows_the_installed_transformers(tiny_model_dir, t
     with pytest.raises(TypeError, match="share_prompt_forward = false"):
         cache_kwarg(torch.nn.Linear(2, 2))
 
+
+
+def test_micro_batches_by_samples_or_by_padded_tokens():
+    from miles_core.train.batch import micro_batch_rows
+
+    lengths = torch.tensor([10, 12, 30, 8, 8, 8, 50, 9])
+    assert [r.tolist() for r in micro_batch_rows(lengths, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # 64 tokens: [10, 12] pads to 2 x 12 = 24 (+30 would be 3 x 30 = 90); [30] alone (+8: 2 x 30 = 60, +8: 90);
+    # so [30, 8] = 60, then [8, 8] = 16 (+50: 150); [50] alone is over 64 and still goes; [9]
+    assert [r.tolist() for r in micro_batch_rows(lengths, 3, max_tokens=64)] == [[0, 1], [2, 3], [4, 5], [6], [7]]
+    assert [r.tolist() for r in micro_batch_rows(lengths, 3, max_tokens=1000)] == [list(range(8))]
+    assert micro_batch_rows(torch.tensor([], dtype=torch.long), 3, max_tokens=64) == []
+
+
+def test_a_step_with_dynamic_micro_batches_is_the_step_with_fixed_ones(tiny_model_dir, tmp_path):
+    """Gradient accumulation over micro-batches cut by tokens gives the step that fixed micro-batches
+    give (the losses are divided by the minibatch's denominator either way)."""
+    fixed = make_trainer(tiny_model_dir, tmp_path / "a", micro_batch_size=8)
+    dynamic = make_trainer(tiny_model_dir, tmp_path / "b", use_dynamic_batch_size=True, max_tokens_per_gpu=16)
+    assert len(list(dynamic._micro_batches(collate([s for g in make_groups(REWARDS_A) for s in g.samples])))) > 1
+    a, b = fixed.step(make_batch(REWARDS_A)), dynamic.step(make_batch(REWARDS_A))
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert_same_params(fixed, dynamic, atol=1e-5)
