@@ -45,12 +45,16 @@ GOALS_GB = {"sync-full": 4.0, "sync-lora": 2.5}
 
 
 def _role(cmdline: list[str]) -> str:
+    """Which of a run's processes this is: the ``miles`` command (it supervises), the training process
+    it starts (``deployments.cli``), a rollout producer, or Prefect's temporary server."""
     text = " ".join(cmdline)
+    if "miles_core.rollout.worker" in text:
+        return "producer"
+    if "deployments.cli" in text:
+        return "training"
     if "prefect" in text and "server" in text:
         return "prefect server"
-    if "rollout" in text and ("producer" in text or "flows.rollout" in text):
-        return "producer"
-    return "miles"
+    return "command"
 
 
 class Sampler:
@@ -123,17 +127,17 @@ def table(rows: list[dict], steps: int, load: tuple[float, float]) -> str:
     gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
     out = [f"SmolLM2-135M-Instruct, {steps} steps of 64 samples, CPU (load average {load[0]:.2f} before, "
            f"{load[1]:.2f} after)", "",
-           "| run | peak RSS, all processes (GB) | goal | miles (training) | producers (each) | Prefect server "
-           "| snapshots kept (GB) | checkpoints (GB) | disk after 200 steps (GB) | wall (s) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| run | peak RSS, all processes (GB) | goal | training process | producers (each) | Prefect server "
+           "| `miles` command | snapshots kept (GB) | checkpoints (GB) | disk after 200 steps (GB) | wall (s) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         goal = GOALS_GB.get(r["name"])
         verdict = "" if goal is None else f"<= {goal} ({'met' if r['peak'] / 1e9 <= goal else 'NOT met'})"
         producers = gb(r["by_role"]["producer"]) + f" (x{r['producers']})" if r["producers"] else ""
         disk = r["bounded"] + 200 * r["samples_per_step"]
-        out.append(f"| {r['name']} | {gb(r['peak'])} | {verdict} | {gb(r['by_role'].get('miles', 0))} | {producers} "
-                   f"| {gb(r['by_role'].get('prefect server', 0))} | {gb(r['weights'])} | {gb(r['checkpoints'])} "
-                   f"| {gb(disk)} | {r['seconds']:.0f} |")
+        out.append(f"| {r['name']} | {gb(r['peak'])} | {verdict} | {gb(r['by_role'].get('training', 0))} | {producers} "
+                   f"| {gb(r['by_role'].get('prefect server', 0))} | {gb(r['by_role'].get('command', 0))} "
+                   f"| {gb(r['weights'])} | {gb(r['checkpoints'])} | {gb(disk)} | {r['seconds']:.0f} |")
     return "\n".join(out)
 
 

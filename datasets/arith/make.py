@@ -1,9 +1,13 @@
-"""Write this folder's arithmetic prompts for a real instruction model (``configs/smollm2-arith.toml``):
-the toy addition task's problems (``miles_core.data.toy``: the same pairs, the same held-out split,
-never overlapping), asked in words. Deterministic: ``python datasets/arith/make.py`` writes the same
-files every time.
+"""Write this folder's arithmetic prompts for a real instruction model, from the toy addition task's
+problems (``miles_core.data.toy``: the same pairs and the same held-out split, never overlapping):
 
-    {"prompt": "What is 59 + 63? Reply with only the number.", "label": "122"}
+- ``train.jsonl`` / ``test.jsonl`` (``configs/smollm2-arith.toml``): two-digit sums asked in words,
+  answered with a number: ``{"prompt": "What is 59 + 63? Reply with only the number.", "label": "122"}``;
+- ``steps-train.jsonl`` / ``steps-test.jsonl`` (``configs/smollm2-steps.toml``, generation-heavy):
+  sums up to 19 + 19 as a story, answered step by step in tens to hundreds of tokens:
+  ``{"prompt": "Tom has 7 apples and gets 12 more. ... The answer is <number>.", "label": "19"}``.
+
+Deterministic: ``python datasets/arith/make.py`` writes the same files every time.
 """
 
 from __future__ import annotations
@@ -12,24 +16,37 @@ import json
 from pathlib import Path
 
 from miles_core.config import ToyDataConfig
-from miles_core.data.toy import toy_problems
+from miles_core.data.toy import toy_problems, toy_split
 
-TEMPLATE = "What is {a} + {b}? Reply with only the number."
-SIZES = {"train": 2400, "test": 200}
+SETS = {
+    # file prefix: (template, max operand, {split: rows})
+    "": ("What is {a} + {b}? Reply with only the number.", 99, {"train": 2400, "test": 200}),
+    "steps-": ("Tom has {a} apples and gets {b} more. How many apples does he have now? Explain step by step, "
+               "then end with: The answer is <number>.", 19, {"train": None, "test": None}),
+}
 
 
-def rows(split: str) -> list[dict[str, str]]:
-    problems = toy_problems(ToyDataConfig(max_operand=99, seed=1), split, SIZES[split])
+def rows(template: str, max_operand: int, split: str, n: int | None) -> list[dict[str, str]]:
+    """``n`` problems of ``split`` (None: all of them) in words."""
+    if n is None:
+        n = sum(toy_split(a, b) == split for a in range(max_operand + 1) for b in range(max_operand + 1))
+    problems = toy_problems(ToyDataConfig(max_operand=max_operand, seed=1), split, n)
     out = []
     for p in problems:
         a, b = p["prompt"].rstrip("=").split("+")
-        out.append({"prompt": TEMPLATE.format(a=a, b=b), "label": p["label"]})
+        out.append({"prompt": template.format(a=a, b=b), "label": p["label"]})
     return out
 
 
-if __name__ == "__main__":
+def main() -> None:
     here = Path(__file__).parent
-    for split in SIZES:
-        lines = [json.dumps(r) for r in rows(split)]
-        (here / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-        print(f"{here / split}.jsonl: {len(lines)} rows")
+    for prefix, (template, max_operand, splits) in SETS.items():
+        for split, n in splits.items():
+            lines = [json.dumps(r) for r in rows(template, max_operand, split, n)]
+            path = here / f"{prefix}{split}.jsonl"
+            path.write_text("\n".join(lines) + "\n")
+            print(f"{path}: {len(lines)} rows")
+
+
+if __name__ == "__main__":
+    main()

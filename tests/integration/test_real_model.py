@@ -16,6 +16,9 @@ from test_modes import _rows
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
+LOGPROB_ATOL = 2e-4
+"""The engine contract's tolerance for vLLM (``test_engine_vllm.py``): its CPU kernels against the
+trainer's forward, both float32; on this 30-layer model the measured gap was 1-3e-5."""
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +67,7 @@ def test_two_sync_lora_steps_on_smollm2(prefect_backend, smollm2_dir, tmp_path):
     assert summary["accuracy_after"] is not None
 
 
-def test_a_fully_async_step_on_smollm2_keeps_three_full_snapshots_at_most(prefect_backend, smollm2_dir, tmp_path):
+def test_fully_async_steps_on_smollm2_keep_the_newest_snapshots_in_bf16_without_a_second_head(prefect_backend, smollm2_dir, tmp_path):
     from flows.train import train
 
     cfg = _real_cfg(tmp_path, "fully_async", 4, storage={"keep_snapshots": 2, "snapshot_dtype": "bfloat16"})
@@ -115,4 +118,5 @@ def test_vllm_serves_the_imported_folder_with_the_trainers_logprobs(smollm2_dir,
         with torch.no_grad():
             logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
         mine = token_logprobs(logits, torch.tensor([list(r.output_ids)]), 1.0)[0]
-        assert torch.allclose(torch.tensor(r.logprobs), mine, atol=2e-3), (r.logprobs, mine.tolist())
+        diff = (torch.tensor(r.logprobs) - mine).abs().max().item()
+        assert diff <= LOGPROB_ATOL, (diff, r.logprobs, mine.tolist())
