@@ -5,9 +5,9 @@ its output to ``FILE`` (else to this process's stdout), forwards SIGTERM and SIG
 group, and when process ``P`` is gone (the run that launched the server was killed, even with
 SIGKILL) terminates the group, killing it 10 s later. It exits with the command's exit code.
 
-Standard library only: it runs under another environment's Python (vLLM's, see
-``scripts/setup-vllm.sh``), which does not have this package installed; the launcher runs it by its
-file path. A server such as vLLM starts processes of its own (its engine core, workers): the group
+Standard library only (and ``miles_core.processes``, which is too): it runs under another
+environment's Python (vLLM's, see ``scripts/setup-vllm.sh``), which does not have this package
+installed; the launcher runs it by its file path, and it puts the package's root on its path. A server such as vLLM starts processes of its own (its engine core, workers): the group
 takes them down too, so no orphan keeps a port or a core.
 """
 
@@ -19,18 +19,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run by its file path under another environment's Python: this package's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from miles_core import processes  # noqa: E402 (standard library only, like this file)
 
 GRACE_S = 10.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if stopping:
             return _stop_group(proc, stopping[0])
-        if os.getppid() != args.parent_pid or not _alive(args.parent_pid):  # reparented: the parent died
+        if os.getppid() != args.parent_pid or not processes.alive(args.parent_pid):  # reparented: the parent died
             print(f"watchdog: parent {args.parent_pid} is gone; stopping {command[0]} (group {proc.pid})",
                   file=sys.stderr, flush=True)
             return _stop_group(proc)
