@@ -330,6 +330,7 @@ class InRunEvals:
                                  step, len(running))
                 return
             wait(running, return_when=FIRST_COMPLETED)
+        get_session(self.cfg, self.refs).evals.reserve(step, version)  # kept by retention until evaluated
         # a copy of this flow's context per thread: the subflow is a child of the run
         # (the refs quoted: the subflow's node would otherwise hang off prepare-run, as a task's would)
         self.futures.append(self.pool.submit(contextvars.copy_context().run, evaluate_snapshot, self.cfg,

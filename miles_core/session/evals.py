@@ -56,6 +56,12 @@ class Evaluator:
         LoRA, the run's adapter of it."""
         return setup_policy_engine(self.cfg, self.refs, self.cfg.eval.engine_config)
 
+    def reserve(self, step: int, version: int) -> None:
+        """Pin ``version`` for the evaluation after ``step`` when it is scheduled, so retention keeps it
+        until that evaluation has loaded it (``evaluate_version`` unpins it when done)."""
+        if version > 0:
+            self.weights.pin(version, f"eval-step-{step}")
+
     def evaluate_version(self, step: int, version: int, record: bool = True) -> dict[str, float]:
         """Evaluate weights ``version`` on the separate engine, which loads it; the version is pinned
         meanwhile (retention keeps it). Evaluations take turns on the engine; training and rollouts

@@ -105,9 +105,10 @@ def test_lora_run_improves_with_only_the_adapter_changing(
         beat = ControlPlane(summary["run_dir"]).heartbeat("p0")
         assert beat.status == "stopped" and beat.weight_version >= 6, beat
 
-    # every version is an adapter folder: LoRA weights only, loadable by PEFT as it is
+    # every version is an adapter folder: LoRA weights only, loadable by PEFT as it is; retention
+    # (storage.keep_snapshots = 3, no checkpoints) kept the newest three
     store = WeightStore(str(Path(summary["run_dir"]) / "weights"))
-    assert store.versions() == list(range(1, 13))
+    assert store.versions() == [10, 11, 12]
     folder = Path(store.uri(12))
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
     tensors = load_file(folder / "adapter_model.safetensors")

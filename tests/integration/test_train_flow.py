@@ -264,10 +264,11 @@ def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_d
     assert _deterministic(rows) == _deterministic(_jsonl(straight / "metrics.jsonl"))
     assert _deterministic(_jsonl(first / "eval.jsonl")) == _deterministic(_jsonl(straight / "eval.jsonl"))
     a, b = WeightStore(str(straight / "weights")), WeightStore(str(first / "weights"))
-    assert a.versions() == b.versions() == [2, 4, 6, 8, 10, 12] and a.latest() == b.latest() == 12
+    # retention (storage.keep_snapshots = 3): the newest three and the step-3 checkpoint's version 6
+    assert a.versions() == b.versions() == [6, 8, 10, 12] and a.latest() == b.latest() == 12
     want, got = a.load(), b.load()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert not all(torch.equal(want[k], t) for k, t in a.load(2).items()), "the weights must have moved"
+    assert not all(torch.equal(want[k], t) for k, t in a.load(6).items()), "the weights must have moved"
     # kept: the newest two complete checkpoints; the cut-short one at step 4 was pruned
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
     # the first step 4's segment stays as history: 4 + 3 segments, the trainer's cursor on the last
