@@ -121,13 +121,15 @@ def absolute_paths(cfg: RunConfig, cwd: Path) -> RunConfig:
 
     raw = cfg.model_dump()
 
+    from miles_core.models import BUILTIN_MODELS
+
     def fix(table: dict[str, Any], key: str) -> None:
         value = table.get(key)
-        if isinstance(value, str) and value and "://" not in value and not value.startswith("builtin:") \
-                and not Path(value).is_absolute():
+        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
             table[key] = str(cwd / value)
 
-    fix(raw["model"], "path")
+    if raw["model"]["path"].removeprefix("builtin:") not in BUILTIN_MODELS:  # a model by name is not a path
+        fix(raw["model"], "path")
     fix(raw["model"], "cache_dir")
     fix(raw["storage"], "root")
     for table in dataset_tables(raw):

@@ -17,6 +17,7 @@ from miles_core.config import (
     FullyAsyncMode,
     GRPOLossConfig,
     GSPOLossConfig,
+    ModelConfig,
     ReinforcePPLossConfig,
     RunConfig,
     SyncMode,
@@ -548,3 +549,7 @@ def test_serving_makes_relative_paths_absolute(tmp_path):
     assert served.data.path == str(tmp_path / "datasets/gsm8k/train.jsonl")
     assert served.model.cache_dir == str(tmp_path / ".cache/miles/models") and served.storage.root == str(tmp_path / "runs")
     assert served.eval.data.path == "s3://bucket/test.jsonl" and served.model.path == "builtin:tiny-addition"
+    for name in ("smollm2-135m-instruct", "tiny-addition"):  # a model by name stays a name
+        assert absolute_paths(cfg.model_copy(update={"model": ModelConfig(path=name)}), tmp_path).model.path == name
+    folder = absolute_paths(cfg.model_copy(update={"model": ModelConfig(path="models/mine")}), tmp_path)
+    assert folder.model.path == str(tmp_path / "models/mine")
