@@ -11,7 +11,10 @@ peak of their summed resident memory and each one's own peak:
 - ``sync-full``: full fine-tune, sync mode, evaluation on a separate engine (the config's default);
 - ``sync-full-shared-eval``: the same with ``eval.engine = "shared"`` (one engine copy fewer);
 - ``sync-lora``: LoRA rank 8 (``--lora-rank 8``);
-- ``fully-async-2``: full fine-tune, fully async, two producer processes (``--rollout-producers 2``).
+- ``fully-async-2``: full fine-tune, fully async, two producer processes (``--rollout-producers 2``);
+- ``async-full``: full fine-tune, async mode; ``multi-lora-4``: four LoRA adapters over one stream
+  (``--lora-count 4 --lora-rank 8``); ``deepspeed-zero2``: the DeepSpeed trainer, ZeRO-2, one process;
+  ``vllm-engine``: rollouts on a vLLM server the run launches (evaluation on it too).
 
 Goals (issue 31): full fine-tune sync <= 4 GB; LoRA rank 8 <= 2.5 GB (the issue measured 11 GB for
 the first before this work). The disk a 200-step full fine-tune leaves: the run's folder after
@@ -40,6 +43,11 @@ ROWS = {
     "sync-full-shared-eval": ["--eval-engine", "shared"],
     "sync-lora": ["--lora-rank", "8", "--lr", "1e-5"],
     "fully-async-2": ["--fully-async", "--rollout-producers", "2"],
+    "async-full": ["--mode", "async"],
+    "multi-lora-4": ["--lora-count", "4", "--lora-rank", "8", "--lr", "1e-5"],
+    "deepspeed-zero2": ["--train-backend", "deepspeed", "--zero-stage", "2"],
+    "vllm-engine": ["--set", "engine.type=vllm", "--set", "engine.max_model_len=512",
+                    "--set", "eval.engine=shared"],
 }
 GOALS_GB = {"sync-full": 4.0, "sync-lora": 2.5}
 

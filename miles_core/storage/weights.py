@@ -17,7 +17,9 @@ a half-deleted version) except the newest ``keep_last``, the latest, and pinned 
 
 ``publish`` writes the tensors, then the commit marker, then ``LATEST``; a crash in between leaves
 an uncommitted folder that readers ignore and the next publish of that version overwrites.
-``load_snapshot(uri)`` reads a version folder by URI (what tasks hand to engines).
+``load_snapshot(uri)`` reads a version folder by URI (what tasks hand to engines). Snapshots are
+written tensor by tensor in safetensors' format (``_SafetensorsLayout``: no copy of the weights in
+memory) and can be read the same way (``SafetensorsFile``).
 
 torch and safetensors are imported inside the functions that need them.
 """
@@ -367,6 +369,7 @@ def _load_committed(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, torch
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_DTYPES_BY_CODE = {code: name for name, code in _SAFETENSORS_DTYPES.items()}
 
 
 class SafetensorsFile:
@@ -392,10 +395,9 @@ class SafetensorsFile:
         import torch
 
         code = self.entries[name]["dtype"]
-        by_code = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
-        if code not in by_code:
+        if code not in _DTYPES_BY_CODE:
             raise ValueError(f"{self.path}: tensor {name} has dtype {code}, which this reader does not take")
-        return getattr(torch, by_code[code])
+        return getattr(torch, _DTYPES_BY_CODE[code])
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
