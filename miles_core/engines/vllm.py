@@ -419,7 +419,8 @@ class LocalVLLMServer:
         cmd += ["--", self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                 "--tokenizer", self.model_dir, "--served-model-name", SERVED_NAME, "--host", self.host,
                 "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed), "--enforce-eager",
-                "--max-num-seqs", str(self.cfg.max_num_seqs), "--generation-config", "vllm",
+                "--max-num-seqs", str(self.cfg.max_num_seqs),
+                "--max-num-batched-tokens", str(self.cfg.max_num_batched_tokens), "--generation-config", "vllm",
                 "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
         if self.cfg.max_model_len is not None:
             cmd += ["--max-model-len", str(self.cfg.max_model_len)]
