@@ -59,12 +59,14 @@ def _role(cmdline: list[str]) -> str:
     text = " ".join(cmdline)
     if "miles_core.rollout.worker" in text:
         return "producer"
-    if "vllm" in text.lower():
-        return "vLLM server"
     if "deployments.cli" in text:
         return "training"
     if "prefect" in text and "server" in text:
         return "prefect server"
+    if any(part.endswith("/miles") for part in cmdline[:2]):
+        return "command"
+    if "vllm" in text.lower():  # its API server, engine core and worker, and the watchdog that launched them
+        return "vLLM server"
     return "command"
 
 
