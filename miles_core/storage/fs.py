@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import io
 import logging
 import os
 import threading
@@ -125,8 +126,20 @@ def atomic_write_stream(fs: fsspec.AbstractFileSystem, path: str, write: Callabl
     how many bytes it wrote (returned here), so no whole copy of it is ever held in memory. Local: a
     fsynced temp file renamed into place; elsewhere one streamed upload, visible whole when it closes."""
     if not is_local(fs):
-        with fs.open(path, "wb") as f:
-            return write(f)
+        if not isinstance(fs, fsspec.asyn.AsyncFileSystem):  # e.g. memory://, which shows a file as it is written
+            buffer = io.BytesIO()
+            size = write(buffer)
+            fs.pipe_file(path, buffer.getvalue())
+            return size
+        f = fs.open(path, "wb")
+        try:  # an object store's upload (S3 multipart) becomes visible whole when it closes
+            size = write(f)
+        except BaseException:
+            f.discard()  # aborted: nothing of it shows
+            f.closed = True  # else closing it later (at garbage collection) would try to finish the upload
+            raise
+        f.close()
+        return size
     written = []
     with _local_temp(path, lambda f: written.append(write(f))) as tmp:
         os.replace(tmp, path)

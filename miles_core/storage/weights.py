@@ -451,6 +451,9 @@ class _SafetensorsLayout:
                 continue
             seen.add(same)
             out = cast if cast is not None and t.is_floating_point() else t.dtype
+            if str(out).removeprefix("torch.") not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"state_dict[{name!r}] is {out}, which snapshots do not store "
+                                f"({', '.join(_SAFETENSORS_DTYPES)})")
             size = t.numel() * out.itemsize
             header[name] = {"dtype": _SAFETENSORS_DTYPES[str(out).removeprefix("torch.")], "shape": list(t.shape),
                             "data_offsets": [offset, offset + size]}

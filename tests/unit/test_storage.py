@@ -229,3 +229,32 @@ def test_a_snapshot_file_is_read_tensor_by_tensor_into_given_memory(tmp_path):
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(ValueError, match=f"{path}: cut short"):
         SafetensorsFile(str(path))
+
+
+def test_a_snapshot_whose_write_fails_leaves_no_file_behind(root):
+    """A publish that fails half way (here: a dtype snapshots do not store, found before any byte;
+    and a tensor that fails while its bytes are written) leaves the version unpublished and no file."""
+    import torch
+
+    store = WeightStore(join(root, "w"))
+    with pytest.raises(TypeError, match="snapshots do not store"):
+        store.publish(1, {"c": torch.zeros(2, dtype=torch.complex64)})
+
+    class Exploding(torch.Tensor):
+        pass
+
+    bad = torch.zeros(3).as_subclass(Exploding)
+    original = torch.Tensor.to
+
+    def failing_to(self, *a, **k):
+        if isinstance(self, Exploding):
+            raise RuntimeError("device lost")
+        return original(self, *a, **k)
+
+    torch.Tensor.to = failing_to
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            store.publish(1, {"a": torch.ones(4), "b": bad})
+    finally:
+        torch.Tensor.to = original
+    assert store.versions() == [] and not store.fs.exists(join(store.path, "v000001", "model.safetensors"))
