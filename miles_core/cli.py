@@ -151,6 +151,7 @@ SWITCHES: dict[str, tuple[str, Any]] = {
     "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
     "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
     "--use-dynamic-batch-size": ("train.use_dynamic_batch_size", True),
+    "--gradient-checkpointing": ("train.gradient_checkpointing", True),
 }
 KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
 

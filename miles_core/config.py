@@ -449,6 +449,11 @@ class HFEngineConfig(_Base):
     """Sequences decoded together in one batch; concurrent ``generate`` calls share batches."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads for this process (None: leave torch's default)."""
+    share_trainer_weights: bool = True
+    """In the trainer's process, generate with the trainer's own weight tensors instead of a copy
+    (one model's memory less per engine) wherever they cannot change during a generation: a LoRA
+    run's frozen base (every engine of the run), and a sync run's weights (its rollout engine, which
+    generates only between steps). Needs the one-process torch trainer on the same device and dtype."""
 
 
 class SGLangEngineConfig(_Base):
@@ -758,6 +763,12 @@ class TrainConfig(_Base):
     memory of a pass when response lengths vary; the torch trainer (DeepSpeed keeps ``micro_batch_size``)."""
     max_tokens_per_gpu: int | None = Field(default=None, ge=1)
     """Tokens per forward/backward pass with ``use_dynamic_batch_size`` (Miles' ``--max-tokens-per-gpu``)."""
+    gradient_checkpointing: bool = False
+    """Keep only each decoder layer's input in the forward pass and recompute the rest in the
+    backward pass (Miles' ``--gradient-checkpointing``): a micro-batch's activations shrink about
+    20-fold for about a third more compute. SmolLM2-135M, 8 samples of 48 tokens: 0.58 GB -> ~0.03 GB.
+    Training passes then run every row's prompt (``share_prompt_forward`` applies to the no-gradient
+    passes only: a recomputed layer would write the shared prompt's cache twice)."""
     share_prompt_forward: bool = True
     """Run each prompt once per micro-batch, its samples' responses on top of its cached keys and
     values (``train.shared_prompt``): the same logprobs and gradients up to rounding, at (n - 1) / n

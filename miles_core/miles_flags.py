@@ -92,7 +92,7 @@ _GROUPS: list[tuple[tuple[str, ...], str]] = [
     (("--megatron-", "--custom-megatron-", "--qkv-format", "--dsa-", "--miles-dsa-", "--mtp-", "--enable-mtp-",
       "--fsdp-", "--extra-high-precision-", "--rematerialize-", "--check-rematerialize-", "--custom-model-provider-",
       "--distributed-", "--padded-vocab-size", "--calculate-per-token-loss", "--attn-implementation",
-      "--gradient-checkpointing", "--keep-fp32-master", "--dp-replicate-size", "--context-parallel-size",
+      "--keep-fp32-master", "--dp-replicate-size", "--context-parallel-size",
       "--allgather-cp", "--indep-dp", "--linear-attention-backend", "--fp16", "--optimizer", "--adam-eps",
       "--low-memory-resume", "--async-save", "--no-save-optim", "--stream-optimizer-state-", "--train-memory-",
       "--train-env-vars", "--freeze-indexer", "--deterministic-mode"),

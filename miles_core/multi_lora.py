@@ -58,7 +58,15 @@ from miles_core.run import FRESH_FEED, RunRegistry, release_lease
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
-from miles_core.session.parts import EngineLoop, RunFiles, built_once, is_built, load_weights
+from miles_core.session.parts import (
+    EngineLoop,
+    LentWeights,
+    RunFiles,
+    built_once,
+    can_lend_weights,
+    is_built,
+    load_weights,
+)
 from miles_core.session.refs import RunRefs
 from miles_core.session.rollouts import RolloutSide
 from miles_core.session.training import TrainerSide
@@ -98,7 +106,8 @@ class AdapterSession:
         )
         self.history = RunHistory(layout, run.trackers, prefix=f"{name}/")
         self.evals = Evaluator(self.cfg, self.refs, run.loop, self.files.weights, self.history,
-                               lambda: run.rollouts.tokenizer)
+                               lambda: run.rollouts.tokenizer,
+                               lent=run.bank_weights(self.cfg.eval.engine_config or self.cfg.engine))
         self.checkpoints = Checkpointer(self.cfg, self.refs, self.files)
         self.resume_error: BaseException | None = None
         """Why ``resume`` failed (its subflow raises it: the adapter fails alone)."""
@@ -181,6 +190,7 @@ class MultiLoraRun:
             log.info("multi_lora.shared_base needs the torch trainer backend: each adapter gets its own trainer "
                      "and copy of the base")
         self._bank_lock = threading.Lock()
+        self.rollouts.lent = self.bank_weights(base.engine)
         self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in configs.items()}
         self._lock = threading.Lock()
         self.finished: dict[str, str | None] = {}
@@ -325,6 +335,13 @@ class MultiLoraRun:
                              "give them one train.backend.device, or set multi_lora.shared_base = false")
         return AdapterBank(self.refs.model_dir, self.cfg.model.dtype, devices.pop(),
                            gather_timeout_s=self.cfg.multi_lora.gather_timeout_s)
+
+    def bank_weights(self, engine_cfg) -> LentWeights | None:
+        """The adapter bank's frozen base for an engine of ``engine_cfg`` in this process (the run's, or
+        an adapter's evaluation engine) where it can generate with it: one copy of the base for all."""
+        if not self.shares_base or not can_lend_weights(engine_cfg, self.cfg.train.backend):
+            return None
+        return LentWeights(lambda: self.bank.model)
 
     def bank_trainer(self, name: str):
         """Adapter ``name``'s trainer on the run's shared base (its ``TrainerSide`` builds it once)."""

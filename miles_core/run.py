@@ -27,7 +27,7 @@ from miles_core.config import RunConfig
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
 from miles_core.session.history import RunHistory
-from miles_core.session.parts import EngineLoop, RunFiles, is_built
+from miles_core.session.parts import EngineLoop, RunFiles, is_built, trainer_weights
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
 from miles_core.session.rollouts import RolloutSide
 from miles_core.session.training import TrainerSide
@@ -94,11 +94,14 @@ class RunSession:
         self.cfg, self.refs = cfg, refs
         self.files = RunFiles.open(cfg, refs)
         self.loop = EngineLoop()
-        self.rollouts = RolloutSide(cfg, refs, self.files, self.loop)
         self.training = TrainerSide(cfg, refs, self.files)
+        trainer = lambda: self.training.trainer  # noqa: E731 (built when an engine first needs its weights)
+        self.rollouts = RolloutSide(cfg, refs, self.files, self.loop,
+                                    lent=trainer_weights(cfg, cfg.engine, trainer, rollout=True))
         self.trackers = open_trackers(cfg, refs.run_id, refs.run_dir)
         self.history = RunHistory(self.files.layout, self.trackers)
-        self.evals = Evaluator(cfg, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
+        self.evals = Evaluator(cfg, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer,
+                               lent=trainer_weights(cfg, cfg.eval.engine_config or cfg.engine, trainer, rollout=False))
         self.checkpoints = Checkpointer(cfg, refs, self.files)
         self.fleet = None
         """Fully async: the run's rollout fleet (``start_fleet``), which the trainer reads from."""

@@ -7,6 +7,9 @@ Parts:
   copies of its keys and values, as a server's prefix cache would give them), so each output
   token's logprob is exactly ``log_softmax(logits / T)`` of the raw logits (raw logits when T is
   0), the quantity the trainer recomputes.
+- ``HFEngine.share_weights(model)``: generate with the weight tensors of a model of this process (a
+  trainer's, or an adapter bank's base) instead of a copy: a sync run's rollout engine follows its
+  trainer's versions, and every engine of a LoRA run shares the frozen base.
 - ``EngineStats``: counters of dispatches, decode batches and calls served (``HFEngine.stats``).
 - ``sample_tokens``: one decode step's temperature / top-k / top-p sampling, by inverse CDF.
 - ``Snapshot``: a weight snapshot (file, folder, or sharded folder) at any fsspec URL, read one
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -175,6 +179,38 @@ class HFEngine:
         self._running: set[_Call] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self._closed = False
+        self._live_version: Callable[[], int] | None = None
+        """Set by ``share_weights`` for weights that change under the engine: the version they are."""
+
+    def share_weights(self, model: torch.nn.Module, live_version: Callable[[], int] | None = None) -> None:
+        """Generate with ``model``'s weight tensors instead of a copy of them: one copy in memory, not
+        two. ``model`` is a module of this process with the same architecture, dtype and device (a
+        trainer's; a PEFT model or an adapter bank lends its base weights; every weight must match in
+        name and shape).
+
+        ``live_version`` None: the weights never change (a LoRA run's frozen base; adapters still load
+        by name). Otherwise they change under the engine (a sync run's trainer, which never steps
+        while the engine generates) and are always version ``live_version()``: ``update_weights``
+        then reads nothing, and refuses any other version, since loading it would overwrite the
+        trainer's weights."""
+        lender = model.get_base_model() if hasattr(model, "get_base_model") else model
+        theirs = {_plain_name(k): v for k, v in lender.named_parameters(remove_duplicate=False) if ".lora_" not in k}
+        pairs = []
+        for name, param in self._base.named_parameters(remove_duplicate=False):
+            if ".lora_" in name:
+                continue
+            other = theirs.get(_plain_name(name))
+            if other is None or other.shape != param.shape or other.dtype != param.dtype \
+                    or other.device != param.device:
+                found = "missing" if other is None else f"{tuple(other.shape)} {other.dtype} on {other.device}"
+                raise ValueError(f"cannot share weight {name} ({tuple(param.shape)} {param.dtype} on "
+                                 f"{param.device}) with the model: {found}")
+            pairs.append((param, other))
+        for param, other in pairs:  # all checked first: a refused model leaves the engine as it was
+            param.data = other.data
+        self._live_version = live_version
+        if live_version is not None:
+            self._version = live_version()
 
     # ------------------------------------------------------------------------------ protocol
 
@@ -208,6 +244,13 @@ class HFEngine:
         has finished, then report ``version``. Keys are checked before the model is touched. Once
         this waits for the running batch, calls queued behind it run after the load, on the new weights."""
         self._ensure_open()
+        if self._live_version is not None:  # the weights are the trainer's own (``share_weights``)
+            if version != self._live_version():
+                raise RuntimeError(f"this engine generates with the trainer's weights, version "
+                                   f"{self._live_version()}; it cannot load version {version} from {uri}")
+            async with self._lock:
+                self._version = version
+            return
         snapshot = await asyncio.to_thread(self._read_matching_state, uri)
         loading = False
         try:
@@ -711,6 +754,15 @@ def _snapshot_files(fs: Any, folder: str, uri: str) -> list[str]:
         weight_map = json.loads(fs.cat_file(index))["weight_map"]
         return [f"{folder}/{name}" for name in sorted(set(weight_map.values()))]
     raise FileNotFoundError(f"{uri} is a folder without model.safetensors or model.safetensors.index.json")
+
+
+_WRAPPED_RE = re.compile(r"\.(?:base_layer|base)\.(weight|bias)$")
+
+
+def _plain_name(name: str) -> str:
+    """A weight's name in the plain model: a LoRA layer keeps the layer it wraps as ``base_layer``
+    (PEFT) or ``base`` (``AdapterBank``)."""
+    return _WRAPPED_RE.sub(r".\1", name)
 
 
 def _alias_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:

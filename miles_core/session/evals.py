@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 from miles_core.config import EvalDatasetConfig, RunConfig
 from miles_core.rollout.generate import PromptItem, generate_groups, sampling_params
 from miles_core.session.history import RunHistory
-from miles_core.session.parts import EngineLoop, built_once, eval_prompts, is_built, setup_policy_engine, weights_uri
+from miles_core.memory import release_freed_memory
+from miles_core.session.parts import (
+    EngineLoop,
+    built_once,
+    eval_prompts,
+    is_built,
+    LentWeights,
+    setup_policy_engine,
+    weights_uri,
+)
 from miles_core.session.refs import RunRefs
 
 if TYPE_CHECKING:
@@ -26,10 +35,12 @@ if TYPE_CHECKING:
 
 class Evaluator:
     def __init__(self, cfg: RunConfig, refs: RunRefs, loop: EngineLoop, weights: WeightStore, history: RunHistory,
-                 tokenizer: Callable[[], Any]) -> None:
-        """``tokenizer``: gives the tokenizer (shared with the run's rollout side, built when first asked)."""
+                 tokenizer: Callable[[], Any], lent: LentWeights | None = None) -> None:
+        """``tokenizer``: gives the tokenizer (shared with the run's rollout side, built when first asked);
+        ``lent``: frozen weights of this process the separate engine generates with (a LoRA base)."""
         self.cfg, self.refs, self.loop, self.weights, self.history = cfg, refs, loop, weights, history
         self._tokenizer = tokenizer
+        self._lent = lent
         self._engine_lock = threading.Lock()
 
     @property
@@ -53,8 +64,8 @@ class Evaluator:
     @built_once
     def engine(self):
         """The separate evaluation engine (``eval.engine = "separate"``, ``eval.engine_config``); with
-        LoRA, the run's adapter of it."""
-        return setup_policy_engine(self.cfg, self.refs, self.cfg.eval.engine_config)
+        LoRA, the run's adapter of it (on the trainer's frozen base where it shares it)."""
+        return setup_policy_engine(self.cfg, self.refs, self.cfg.eval.engine_config, lent=self._lent)
 
     def reserve(self, step: int, version: int) -> None:
         """Pin ``version`` for the evaluation after ``step`` when it is scheduled, so retention keeps it
@@ -84,6 +95,7 @@ class Evaluator:
 
         t0 = time.perf_counter()
         per_dataset = {d.name: self._evaluate_dataset(engine, d) for d in self.datasets}
+        release_freed_memory()  # the generation's caches (an evaluation beside training: before a step's peak)
         metrics = eval_row(per_dataset, named=bool(self.cfg.eval.datasets))
         metrics.update(step=float(step), eval_seconds=time.perf_counter() - t0)
         if record:

@@ -5,8 +5,8 @@
 - ``EngineLoop``: the asyncio loop engines of one process run on (a ``LoopThread``, started on first
   use), so an engine's locks and events always live on one loop, whichever thread calls.
 - ``built_once``: a lazily built part, built by one thread while racing threads wait.
-- ``setup_policy_engine``: an engine for the run's policy (its LoRA adapter of it, with LoRA);
-  ``load_weights``: a version into an engine.
+- ``setup_policy_engine``: an engine for the run's policy (its LoRA adapter of it, with LoRA), on
+  the trainer's own weights where it can (``LentWeights``, ``trainer_weights``); ``load_weights``: a version into an engine.
 - ``prompt_rows`` / ``render`` / ``eval_prompts``: prompt rows of a dataset, rendered and tokenized.
 """
 
@@ -15,10 +15,18 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles_core.config import EvalDatasetConfig, FileDataConfig, RunConfig, ToyDataConfig
+from miles_core.config import (
+    EvalDatasetConfig,
+    FileDataConfig,
+    HFEngineConfig,
+    RunConfig,
+    ToyDataConfig,
+    TorchTrainerConfig,
+)
 from miles_core.rollout.generate import PromptItem
 
 if TYPE_CHECKING:
@@ -112,9 +120,45 @@ class EngineLoop:
             thread.close()
 
 
-def setup_policy_engine(cfg: RunConfig, refs: RunRefs, engine_cfg=None):
+@dataclass(frozen=True)
+class LentWeights:
+    """A module of this process whose weight tensors an in-process engine generates with, instead of a
+    copy of them (``HFEngine.share_weights``): one model's memory less per engine."""
+
+    module: Callable[[], Any]
+    """Builds (once) and returns the module: a trainer's model, or a multi-LoRA run's adapter bank's base."""
+    version: Callable[[], int] | None = None
+    """Weights that change under the engine: the version they are now (a sync run's trainer, which
+    steps only between rollouts); None: weights that never change (a LoRA base)."""
+
+
+def can_lend_weights(engine_cfg, backend) -> bool:
+    """Whether an engine of ``engine_cfg`` may generate with the weights of a model trained by
+    ``backend`` (a ``train.backend``): an in-process engine that allows it, on the device of a
+    one-process torch trainer (DeepSpeed moves weights into buffers of its own)."""
+    return (isinstance(engine_cfg, HFEngineConfig) and engine_cfg.share_trainer_weights
+            and isinstance(backend, TorchTrainerConfig) and engine_cfg.device == backend.device)
+
+
+def trainer_weights(cfg: RunConfig, engine_cfg, trainer: Callable[[], Any], rollout: bool) -> LentWeights | None:
+    """The trainer's weights for an engine of ``engine_cfg`` in its process, where they cannot change
+    during one of the engine's generations: a LoRA run's frozen base (any engine of the run), or a
+    sync run's weights for its rollout engine (``rollout``), which generates only between steps and
+    follows the trainer's versions. None: the engine keeps a copy of its own. (A multi-LoRA run lends
+    its adapter bank's base instead: ``MultiLoraRun``.)"""
+    if cfg.multi_lora is not None or not can_lend_weights(engine_cfg, cfg.train.backend):
+        return None
+    if cfg.lora is not None:
+        return LentWeights(lambda: trainer().model)
+    if rollout and cfg.mode.type == "sync":
+        return LentWeights(lambda: trainer().model, lambda: trainer().version)
+    return None
+
+
+def setup_policy_engine(cfg: RunConfig, refs: RunRefs, engine_cfg=None, lent: LentWeights | None = None):
     """An engine serving the run's starting model (``engine_cfg``: default the run's ``engine``);
-    with LoRA, the run's adapter of it, so pushes load the adapter by name."""
+    with LoRA, the run's adapter of it, so pushes load the adapter by name. ``lent``: the engine
+    generates with those weights instead of a copy of its own."""
     from miles_core.engines import setup_engine
 
     from miles_core.storage.fs import is_local, open_fs
@@ -124,6 +168,8 @@ def setup_policy_engine(cfg: RunConfig, refs: RunRefs, engine_cfg=None):
     engine = setup_engine(engine_cfg or cfg.engine, refs.model_dir, cfg.model.dtype, cfg.seed,
                           cfg.storage.storage_options, lora=cfg.lora is not None or cfg.multi_lora is not None,
                           log_dir=log_dir)
+    if lent is not None:
+        engine.share_weights(lent.module(), live_version=lent.version)
     if cfg.lora is not None:
         from miles_core.engines.policy import AdapterPolicy
 

@@ -12,10 +12,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from miles_core.config import RunConfig
+from miles_core.memory import release_freed_memory
 from miles_core.rollout.generate import PromptItem, generate_groups, rollout_metrics, sampling_params
 from miles_core.session.parts import (
     SOURCE_STATE,
     EngineLoop,
+    LentWeights,
     RunFiles,
     built_once,
     is_built,
@@ -37,8 +39,12 @@ if TYPE_CHECKING:
 class RolloutSide:
     """Built lazily: a process that only trains never loads an engine."""
 
-    def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles, loop: EngineLoop) -> None:
+    def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles, loop: EngineLoop,
+                 lent: LentWeights | None = None) -> None:
         self.cfg, self.refs, self.files, self.loop = cfg, refs, files, loop
+        self.lent = lent
+        """Weights of this process the engine generates with (a trainer's, ``trainer_weights``); None:
+        its own copy."""
 
     @built_once
     def tokenizer(self):
@@ -46,10 +52,11 @@ class RolloutSide:
 
     @built_once
     def engine(self):
-        """The policy's engine; a rebuilt side loads the newest published weights."""
-        engine = setup_policy_engine(self.cfg, self.refs)
+        """The policy's engine; a rebuilt side loads the newest published weights (one on a sync run's
+        trainer's weights has the trainer's)."""
+        engine = setup_policy_engine(self.cfg, self.refs, lent=self.lent)
         latest = self.files.weights.latest()
-        if latest is not None:
+        if latest is not None and not (self.lent is not None and self.lent.version is not None):
             self.loop.run(engine.update_weights(self.files.weights.uri(latest), latest))
         return engine
 
@@ -123,7 +130,7 @@ class RolloutSide:
         if r.rollout_function_path is not None:
             groups = self._custom_rollout(step)
             errors = reward_errors(groups)
-            failed = len(errors)
+            failed, reward_times = len(errors), {}
         else:
             items = self.next_prompts(r.rollout_batch_size)
             seed = self.cfg.seed * 1_000_003 + step * 10_007
@@ -132,8 +139,9 @@ class RolloutSide:
                 custom=self.custom_generate, tokenizer=self.tokenizer,
             ))
             stats = self.run(self.score(groups))
-            failed, errors = stats.failed, stats.errors
+            failed, errors, reward_times = stats.failed, stats.errors, stats.seconds_metrics()
         t_gen = time.perf_counter() - t0
+        release_freed_memory()  # the generation's caches, before the training step allocates
         offset = self.files.stream.append([s for g in groups for s in g.samples])
         source_state = self.source.state()
         self.files.layout.write_json(SOURCE_STATE, source_state)
@@ -142,6 +150,7 @@ class RolloutSide:
             rollout_seconds=time.perf_counter() - t0,
             rollout_tokens_per_s=metrics["response_tokens"] / max(t_gen, 1e-9),
             reward_failed=float(failed),
+            **reward_times,
         )
         return RolloutRef(step=step, offset=offset, num_samples=sum(len(g.samples) for g in groups),
                           metrics=metrics, source_state=source_state, reward_errors=errors[:MAX_ERRORS_KEPT])

@@ -74,6 +74,7 @@ from torch import Tensor
 
 from miles_core.config import TrainConfig
 from miles_core.dtypes import torch_dtype
+from miles_core.memory import release_freed_memory
 from miles_core.train.base import TrainBatch
 from miles_core.train.batch import TokenBatch, collate, micro_batch_rows
 from miles_core.train.losses import (
@@ -129,6 +130,12 @@ class TorchTrainer:
         self.device = self._select_device(train_cfg)
         self.lora = lora
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dt)
+        if train_cfg.gradient_checkpointing:  # not reentrant: needs no gradient on the inputs (a LoRA base's are frozen)
+            enable = getattr(model, "activation_checkpointing_enable", None)  # its name from transformers 5.2x on
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = (model if lora is None else _wrap_lora(model, lora, train_cfg.seed)).to(self.device)
         self.model.train()
         # The reference policy is the starting weights; a frozen copy is kept only when the KL term
@@ -176,6 +183,7 @@ class TorchTrainer:
         ``num_excluded_samples`` (reward None) and ``version`` after the step."""
         tokens, correction_metrics, minibatches = self._plan(batch)
         results = [self._optimizer_step(mb, batch.temperature) for mb in minibatches]
+        release_freed_memory()  # the step's gradients and activations
         return self._summary(batch, tokens, correction_metrics, results)
 
     def _plan(self, batch: TrainBatch) -> tuple[TokenBatch, dict[str, float], list[TokenBatch]]:
@@ -298,7 +306,9 @@ class TorchTrainer:
         """The raw logits of ``model`` (its dtype), aligned like ``mb.labels`` (the shared-prompt pass
         when ``share_prompt_forward`` is on: ``shared_prompt``). The temperature is applied chunk by
         chunk where they are used (``token_logprobs_and_entropy``), never to a copy of the whole."""
-        return forward_logits(model, mb, self.cfg.share_prompt_forward, route)
+        # a checkpointed layer is run again in the backward pass, and would write the shared prompt's cache twice
+        share = self.cfg.share_prompt_forward and not (self.cfg.gradient_checkpointing and torch.is_grad_enabled())
+        return forward_logits(model, mb, share, route)
 
     @torch.no_grad()
     def _forward_logprobs(self, model: torch.nn.Module, tokens: TokenBatch, temperature: float) -> Tensor:

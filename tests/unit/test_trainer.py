@@ -770,3 +770,22 @@ def test_a_step_with_dynamic_micro_batches_is_the_step_with_fixed_ones(tiny_mode
     a, b = fixed.step(make_batch(REWARDS_A)), dynamic.step(make_batch(REWARDS_A))
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     assert_same_params(fixed, dynamic, atol=1e-5)
+
+
+@pytest.mark.parametrize("micro", [3, 8])
+def test_a_step_with_gradient_checkpointing_equals_the_plain_step(tiny_model_dir, tmp_path, micro):
+    """Recomputing each layer in the backward pass changes the memory, never the update: the same
+    metrics and weights over two steps (the shared prompt pass is kept out of checkpointed passes)."""
+    ckpt, plain = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro, gradient_checkpointing=on)
+                   for on in (True, False))
+    def checkpointed(t):
+        return any(getattr(m, "gradient_checkpointing", False) for m in t.model.modules())
+
+    assert checkpointed(ckpt) and not checkpointed(plain)
+    for rewards in (REWARDS_A, REWARDS_B):
+        m_ckpt, m_plain = ckpt.step(make_batch(rewards)), plain.step(make_batch(rewards))
+        for k in ("loss", "pg_loss", "entropy", "grad_norm", "train_tokens"):
+            assert m_ckpt[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-7), k
+    before = params(make_trainer(tiny_model_dir, tmp_path))
+    assert any(not torch.equal(v, before[k]) for k, v in params(ckpt).items())
+    assert_same_params(ckpt, plain, atol=1e-6)
