@@ -34,7 +34,7 @@ from prefect.utilities.annotations import quote
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_at_end, audit_line
+from miles_core.ledger import audit_at_end, audit_line, raise_if_unbalanced
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.report import curves_png, data_url, reward_points, run_curves
 from miles_core.run import RunRefs, checkpoint_due
@@ -146,6 +146,7 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
             log.error("adapters failed: %s (the others completed; see summary.json)", ", ".join(failed))
         if len(failed) == len(run.names):
             states[failed[0]].result()  # every adapter failed: the run fails with the first one's error
+        raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary
     finally:
         close_multi_lora_run(refs)

@@ -44,7 +44,7 @@ from prefect.utilities.annotations import quote
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_at_end, audit_line
+from miles_core.ledger import audit_at_end, audit_line, raise_if_unbalanced
 from miles_core.run import RolloutRef, RunRefs, TrainRef, check_lease, checkpoint_due, close_session, get_session
 from miles_core.stopping import RunStopped, stop_requested
 from tasks.fleet import launch_producers, stop_producers
@@ -141,6 +141,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)
         session.finish(summary)
         _publish_artifacts(cfg, summary, session, live)
+        raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary
     finally:
         close_session(refs)

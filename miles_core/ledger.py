@@ -406,6 +406,19 @@ def audit_at_end(run_dir: str, storage_options: dict[str, Any] | None, log) -> d
     return result.to_json()
 
 
+class AuditFailed(RuntimeError):
+    """A finished run's prompt ledger does not balance: a prompt lost or trained twice."""
+
+
+def raise_if_unbalanced(a: dict[str, Any], run_dir: str) -> None:
+    """Fail a finished run whose end-of-run audit (``audit_at_end``) found problems, after its
+    summary and files are written: it trained, but lost or duplicated prompts (an audit that could
+    not be read does not fail it)."""
+    if a.get("problems"):
+        raise AuditFailed(f"the run's prompt ledger does not balance: {'; '.join(a['problems'][:3])} "
+                          f"({a['num_problems']} problem(s); `miles audit {run_dir}` lists them)")
+
+
 def audit_line(a: dict[str, Any]) -> str:
     """An ``audit_at_end`` result in one markdown line (the summary artifact's)."""
     if "error" in a:

@@ -12,16 +12,20 @@
   never reach the advantages) gets status FAILED, ``reward`` None and ``error``
   ``"reward: <ExcType>: <message>"``; a per-group function that raises fails its whole group.
   Samples already ABORTED or FAILED (by generation) are skipped. ``RewardStats`` counts it all.
-- Every call has a deadline (``timeout_s``, ``rollout.reward_timeout_s``): a call that has not
-  returned by then fails its sample (a per-group call: its group) with ``reward: timed out after
-  N s``, and scoring goes on with the next one. A sync call cannot be interrupted: its thread (one
-  per group being scored, a daemon) is left behind, and whatever the call returns later is ignored.
+- Samples are scored concurrently, each call on its own (a per-group function: one call per group),
+  so a step's scoring takes about its slowest call. Every call has a deadline (``timeout_s``,
+  ``rollout.reward_timeout_s``): a call that has not returned by then fails its sample (a per-group
+  call: its group) with ``reward: timed out after N s``, logged as it happens. A sync call cannot be
+  interrupted: its thread (a daemon) is left behind, and whatever it returns later is ignored; work
+  that can take long belongs in a worker process (``rewards.isolated``, as the math reward's).
+  ``RewardStats`` has each call's time (``reward_seconds_p50``/``_p99``/``_max`` in a step's metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import numbers
 import threading
 import time
@@ -43,6 +47,7 @@ MAX_ERRORS_KEPT = 5
 MAX_ERROR_CHARS = 500
 _SKIPPED = (SampleStatus.ABORTED, SampleStatus.FAILED)
 _REGISTRY: dict[str, Callable[..., Any]] = {}
+log = logging.getLogger(__name__)
 
 
 def group_reward(fn: F) -> F:
@@ -93,28 +98,41 @@ class RewardStats:
     """Samples not scored because generation had already aborted or failed."""
     errors: list[str] = field(default_factory=list)
     """The first few reward errors, each prefixed with its group and sample index."""
+    call_seconds: list[float] = field(default_factory=list)
+    """How long each call took (a timed-out one: its deadline)."""
+
+    def seconds_metrics(self) -> dict[str, float]:
+        """``reward_seconds_p50``, ``_p99`` and ``_max`` of the calls (none: nothing)."""
+        if not self.call_seconds:
+            return {}
+        ordered = sorted(self.call_seconds)
+        at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+        return {"reward_seconds_p50": at(0.5), "reward_seconds_p99": at(0.99), "reward_seconds_max": ordered[-1]}
 
 
 async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int = 64,
                        timeout_s: float = 60.0) -> RewardStats:
     """Score every scorable sample of ``groups`` in place; never raises for a reward's failure.
 
-    ``max_concurrency`` bounds how many groups are scored at once (for a sync per-sample function,
-    each group's samples are scored one after another in one worker thread); ``timeout_s`` is each
-    call's deadline."""
+    Every sample is scored on its own (a per-group function: every group), up to ``max_concurrency``
+    calls at once, so one slow answer holds only its own call and a step's scoring takes about the
+    slowest call, not their sum; ``timeout_s`` is each call's deadline, and each timeout is logged
+    as it happens."""
     stats = RewardStats()
     limit = asyncio.Semaphore(max_concurrency)
     per_group = getattr(fn, "per_group", False)
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    name = getattr(fn, "__qualname__", type(fn).__name__)
 
-    async def score(samples: list[Sample]) -> None:
+    async def timed(call: Callable[[], Awaitable[None]], samples: list[Sample]) -> None:
         async with limit:
-            if per_group:
-                await _score_group(fn, samples, is_async, timeout_s)
-            elif is_async:
-                await asyncio.gather(*(_score_one_async(fn, s, timeout_s) for s in samples))
-            else:
-                await _score_in_thread(fn, samples, timeout_s)
+            t0 = time.perf_counter()
+            await call()
+            stats.call_seconds.append(time.perf_counter() - t0)
+        timed_out = [s for s in samples if s.status is SampleStatus.FAILED and RewardTimeout.MARK in (s.error or "")]
+        if timed_out:
+            where = ", ".join(f"group {s.group_index} sample {s.sample_index}" for s in timed_out[:3])
+            log.warning("reward %s timed out after %g s on %s (rollout.reward_timeout_s)", name, timeout_s, where)
 
     todo = []
     for group in groups:
@@ -122,7 +140,14 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
         stats.skipped += len(group.samples) - len(samples)
         if samples:
             todo.append(samples)
-    await asyncio.gather(*(score(samples) for samples in todo))
+    calls = []
+    for samples in todo:
+        if per_group:
+            calls.append(timed(lambda ss=samples: _score_group(fn, ss, is_async, timeout_s), samples))
+        else:
+            score_one = _score_one_async if is_async else _score_one_in_thread
+            calls += [timed(lambda s=s: score_one(fn, s, timeout_s), [s]) for s in samples]
+    await asyncio.gather(*calls)
     for samples in todo:
         for s in samples:
             if s.status is SampleStatus.FAILED:
@@ -135,64 +160,24 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
 
 
 class RewardTimeout(Exception):
+    MARK = "timed out after"
+
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"timed out after {timeout_s:g} s (rollout.reward_timeout_s)")
+        super().__init__(f"{self.MARK} {timeout_s:g} s (rollout.reward_timeout_s)")
 
 
-class _Batch:
-    """Sync per-sample calls over some samples, one after another on a thread of their own; the
-    event loop watches the call in progress and gives up on the batch when one passes its deadline."""
-
-    def __init__(self, fn: Callable[[Sample], Any], samples: list[Sample]) -> None:
-        self.fn, self.samples = fn, samples
-        self.lock = threading.Lock()
-        self.index, self.started = 0, time.monotonic()  # the call in progress
-        self.abandoned = False
-
-    def run(self, done: Callable[[], None]) -> None:
-        try:
-            for i, sample in enumerate(self.samples):
-                with self.lock:
-                    if self.abandoned:
-                        return
-                    self.index, self.started = i, time.monotonic()
-                try:
-                    value, error = self.fn(sample), None
-                except Exception as e:
-                    value, error = None, e
-                with self.lock:
-                    if self.abandoned:  # the deadline passed: the sample is failed already
-                        return
-                    _settle(sample, value, error)
-        finally:
-            done()
-
-    def give_up(self, timeout_s: float) -> int:
-        """Fail the call in progress with a timeout; returns the index of the next sample to score."""
-        with self.lock:
-            self.abandoned = True
-            _fail(self.samples[self.index], RewardTimeout(timeout_s))
-            return self.index + 1
-
-
-async def _score_in_thread(fn: Callable[[Sample], Any], samples: list[Sample], timeout_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    while samples:
-        finished = asyncio.Event()
-        batch = _Batch(fn, samples)
-        threading.Thread(target=batch.run, args=(_waker(loop, finished.set),), name="reward", daemon=True).start()
-        while not finished.is_set():
-            with batch.lock:
-                left = batch.started + timeout_s - time.monotonic()
-            if left <= 0:
-                samples = samples[batch.give_up(timeout_s):]  # the rest go on in a new thread
-                break
-            try:
-                await asyncio.wait_for(finished.wait(), left)
-            except asyncio.TimeoutError:
-                pass
-        else:
-            return
+async def _score_one_in_thread(fn: Callable[[Sample], Any], sample: Sample, timeout_s: float) -> None:
+    """A sync per-sample call on a daemon thread of its own: one that passes its deadline fails its
+    sample and is left behind (a thread cannot be stopped; what it returns later is ignored)."""
+    try:
+        value = await asyncio.wait_for(_in_thread(fn, sample), timeout_s)
+    except asyncio.TimeoutError:
+        _fail(sample, RewardTimeout(timeout_s))
+        return
+    except Exception as e:
+        _fail(sample, e)
+        return
+    _settle(sample, value, None)
 
 
 def _waker(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> Callable[[], None]:

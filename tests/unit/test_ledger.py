@@ -4,6 +4,8 @@ way of losing one or training one twice is named."""
 
 from __future__ import annotations
 
+import pytest
+
 from miles_core.ledger import audit, format_audit, write_step
 from miles_core.rollout.fleet import PromptLog, stream_name
 from miles_core.storage import SampleStream
@@ -158,3 +160,15 @@ def test_a_sync_run_is_audited_epoch_by_epoch_from_its_prompt_cursor(tmp_path):
     skipped = _sync_run(tmp_path / "skipped", [[2, 0, 3], [1]], [(0, 3), (1, 3)])
     problems = audit(skipped.run_dir, finished=True).problems
     assert problems == ["step 2: the prompt cursor moved by 4 prompts (to epoch 1 position 3) but it trained 1"]
+
+
+def test_a_finished_run_whose_ledger_does_not_balance_fails_after_its_summary():
+    from miles_core.ledger import AuditFailed, raise_if_unbalanced
+
+    lost = {"ok": False, "problems": ["prompt 17 (epoch 0) lost"], "num_problems": 1, "counts": {}, "tokens": {}}
+    with pytest.raises(AuditFailed, match=r"does not balance: prompt 17 \(epoch 0\) lost \(1 problem\(s\); "
+                                          r"`miles audit runs/x` lists them\)"):
+        raise_if_unbalanced(lost, "runs/x")
+    raise_if_unbalanced({"ok": True, "problems": [], "num_problems": 0}, "runs/x")
+    # an audit that could not be read: logged, and the run (which trained) stands
+    raise_if_unbalanced({"ok": False, "error": "OSError: gone", "problems": [], "num_problems": 0}, "runs/x")

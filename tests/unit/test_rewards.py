@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import operator
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from miles_core.rewards import RewardStats, get_reward, group_reward, register_reward, score_groups
-from miles_core.rewards.math import extract_answer, label_answer, math_reward
+from miles_core.rewards import get_reward, group_reward, register_reward, score_groups
+from miles_core.rewards.math import final_answer, label_answer, math_reward
 from miles_core.types import Group, Sample, SampleStatus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,13 +68,63 @@ def test_math_reward(response, label, expected):
     assert math_reward(response, label) == expected
 
 
-def test_extract_answer_normalises_numbers():
-    assert extract_answer("The answer is $1,234.00.") == "1234"
-    assert extract_answer("#### 0.50") == "0.50"
-    assert extract_answer("The answer is \u22125") == "-5"  # unicode minus
-    assert extract_answer("\\boxed{2x+1}") == "2x+1"  # not a number: kept for symbolic comparison
-    assert extract_answer("no digits") is None
+# Where the hand-written answer layer this reward replaced went wrong (issue cases): a markdown
+# heading read as GSM8K's marker, LaTeX thin spaces, mixed numbers, lists, bases, pi, display math.
+GRADER_CASES = [
+    ("#### Step 2\nAdding gives \\boxed{3}.", "3", 1.0),
+    ("#### Case 3\nSo the count is \\boxed{5}.", "3", 0.0),
+    ("\\boxed{11111111100}", "11,\\! 111,\\! 111,\\! 100", 1.0),
+    ("\\boxed{11}", "11,\\! 111,\\! 111,\\! 100", 0.0),
+    ("\\boxed{137.5}", "137\\frac{1}{2}", 1.0),
+    ("\\boxed{1371/2}", "137\\frac{1}{2}", 0.0),
+    ("\\boxed{\\frac{9}{5}}", "1\\frac{4}{5}", 1.0),
+    ("\\boxed{14/5}", "1\\frac{4}{5}", 0.0),
+    ("\\boxed{-2, 1}", "1,-2", 1.0),
+    ("\\boxed{1, 5}", "1,-2", 0.0),
+    ("\\boxed{1}", "1,-2", 0.0),
+    ("\\boxed{40_9}", "40_9", 1.0),
+    ("\\boxed{409}", "40_9", 0.0),
+    ("\\boxed{12 \\pi}", "12\\pi", 1.0),
+    ("\\boxed{12}", "12\\pi", 0.0),
+    ("\\boxed{\\[-50\\]}", "-50", 1.0),
+    ("The angle measures $30^\\circ$.", "30", 1.0),
+    ("\\boxed{\\begin{pmatrix} \\dfrac{1}{2} \\\\ 3 \\end{pmatrix}}", "\\begin{pmatrix} \\frac12 \\\\ 3 \\end{pmatrix}", 1.0),
+    ("\\boxed{\\begin{pmatrix} \\dfrac{1}{3} \\\\ 3 \\end{pmatrix}}", "\\begin{pmatrix} \\frac12 \\\\ 3 \\end{pmatrix}", 0.0),
+]
+
+
+@pytest.mark.parametrize(("response", "label", "expected"), GRADER_CASES)
+def test_math_reward_where_hand_written_rules_went_wrong(response, label, expected):
+    assert math_reward(response, label) == expected
+
+
+def test_final_answer_picks_box_then_gsm8k_marker_then_answer_is_then_the_whole_text():
+    assert final_answer("#### 18\nThe answer is 17. \\boxed{16}") == "\\boxed{16}"
+    assert final_answer("#### 18\nThe answer is 17") == "18"
+    assert final_answer("#### Step 1\nThe answer is 17. Check: 3 + 4 = 7") == "17"
+    assert final_answer("The answer is \u22125") == "-5"  # unicode minus
+    assert final_answer("no marker, 3 + 4 = 7") == "no marker, 3 + 4 = 7"  # math-verify reads it
     assert label_answer("Some steps.\n#### 72") == "72"
+    assert label_answer("11,\\! 111") == "11,\\! 111"
+
+
+# The same answers written in other ways: a formatting change never changes a verdict.
+def _spellings(answer: str) -> list[str]:
+    return [answer, f" {answer} ", f"${answer}$", f"\\left( {answer} \\right)" if answer.startswith("(") else answer,
+            answer.replace("\\frac", "\\dfrac"), answer.replace(",", ",\\!"), answer.replace(" ", "")]
+
+
+@pytest.mark.parametrize(("label", "right", "wrong"), [
+    ("\\frac{3}{4}", "\\frac{3}{4}", "\\frac{4}{3}"),
+    ("1,234", "1,234", "1,243"),
+    ("2\\sqrt{2}", "2 \\sqrt{2}", "2 \\sqrt{3}"),
+    ("(1, 2)", "(1, 2)", "(2, 1)"),
+])
+def test_formatting_never_changes_a_verdict(label, right, wrong):
+    for spelled in _spellings(right):
+        assert math_reward(f"So \\boxed{{{spelled}}}.", label) == 1.0, spelled
+    for spelled in _spellings(wrong):
+        assert math_reward(f"So \\boxed{{{spelled}}}.", label) == 0.0, spelled
 
 
 def test_math_reward_needs_a_label():
@@ -80,6 +132,8 @@ def test_math_reward_needs_a_label():
         math_reward("#### 1", None)
     with pytest.raises(ValueError, match="no answer after '####'"):
         math_reward("#### 1", "steps\n####   ")
+    with pytest.raises(ValueError, match="the label is empty"):
+        math_reward("#### 1", "  ")
 
 
 def _gsm8k_rows(n: int) -> list[dict]:
@@ -106,7 +160,7 @@ def test_gsm8k_first_labels_with_typical_responses():
 
 
 def test_math_reward_runs_in_a_worker_thread():
-    # math-verify's default signal-based timeout fails outside the main thread; ours is off.
+    # math-verify's signal-based time limits work only in a main thread: it runs in a worker process's
     assert asyncio.run(asyncio.to_thread(math_reward, "\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}")) == 1.0
 
 
@@ -175,7 +229,9 @@ def test_sync_reward_runs_off_the_event_loop_thread():
 
     groups = groups_of(["#### 18", "#### 3"], ["#### 18"])
     stats = asyncio.run(score_groups(fn, groups))
-    assert stats == RewardStats(scored=3, failed=0, skipped=0, errors=[])
+    assert (stats.scored, stats.failed, stats.skipped, stats.errors) == (3, 0, 0, [])
+    assert len(stats.call_seconds) == 3 and set(stats.seconds_metrics()) == {
+        "reward_seconds_p50", "reward_seconds_p99", "reward_seconds_max"}
     assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0]]
     assert threading.get_ident() not in seen
 
@@ -352,3 +408,44 @@ def test_reward_post_process_changes_rewards_in_place_sync_and_async():
     assert [s.reward for s in groups[0].samples] == pytest.approx([1.8, 1.0])
     with pytest.raises(TypeError, match="non-numeric rewards on \\['group 0 sample 0'\\]"):
         asyncio.run(post_process_rewards(load_post_process(f"{__name__}:to_text"), groups))
+
+
+def test_a_groups_samples_are_scored_side_by_side():
+    """Eight samples of one group are in their reward calls at the same time (scored one after
+    another, the first would wait at the barrier until it broke)."""
+    barrier = threading.Barrier(8, timeout=30)
+
+    def fn(s: Sample) -> float:
+        barrier.wait()
+        return 1.0
+
+    groups = groups_of([f"#### {i}" for i in range(8)])
+    stats = asyncio.run(score_groups(fn, groups, timeout_s=60))
+    assert (stats.scored, stats.failed) == (8, 0)
+
+
+def test_work_past_its_deadline_in_a_worker_process_is_killed_and_the_next_call_gets_a_new_worker():
+    from miles_core.rewards.isolated import WorkerTimeout, call
+    from miles_core.rewards.math import verify_answers
+
+    with pytest.raises(WorkerTimeout, match=r"time\.sleep did not return within 0\.5 s; its worker process was killed"):
+        call(time.sleep, 60, deadline_s=0.5)
+    assert call(verify_answers, "\\frac12", "0.5", deadline_s=30) is True
+    with pytest.raises(ZeroDivisionError):  # the function's own error comes back as it is
+        call(operator.truediv, 1, 0, deadline_s=30)
+
+
+def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
+    from miles_core.rewards.isolated import call
+
+    def fn(s: Sample) -> float:
+        if s.response == "pathological":  # symbolic work that never ends, in its worker process
+            return call(time.sleep, 60, deadline_s=2)
+        return math_reward(s.response, s.label)
+
+    groups = [Group([Sample("p", [1], [2], "pathological" if g == i == 0 else f"So \\boxed{{{g + i}}}.",
+                            label=str(g + i), group_index=g, sample_index=i) for i in range(8)]) for g in range(8)]
+    stats = asyncio.run(score_groups(fn, groups, timeout_s=30))
+    assert (stats.scored, stats.failed) == (63, 1)
+    assert "WorkerTimeout" in groups[0].samples[0].error
+    assert all(s.reward == 1.0 for g in groups for s in g.samples if s.response != "pathological")
