@@ -48,6 +48,7 @@ FLAGS: dict[str, str] = {
     "--rm-type": "rollout.reward",
     "--custom-rm-path": "rollout.reward",
     "--reward-timeout": "rollout.reward_timeout_s",
+    "--rm-url": "rollout.rm_url",
     "--custom-reward-post-process-path": "rollout.reward_post_process_path",
     "--custom-generate-function-path": "rollout.custom_generate_function_path",
     "--rollout-function-path": "rollout.rollout_function_path",

@@ -31,7 +31,8 @@ import math
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -74,6 +75,18 @@ StorageOptions = Annotated[dict[str, Any], PlainSerializer(_serialise_options, w
 """fsspec storage options: as JSON (Prefect flow-run parameters, deployment defaults, artifacts)
 their secret entries are left out; the run resolves them where it starts (the environment, or
 ``storage.credentials_block``). In Python they are whole."""
+
+def _serialise_url(url: str | None, info: SerializationInfo) -> str | None:
+    if url is None or not info.mode_is_json() or (info.context or {}).get("with_secrets"):
+        return url
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
+
+
+SecretFreeURL = Annotated[Optional[str], PlainSerializer(_serialise_url, when_used="always")]
+"""A URL that may carry credentials (``https://user:token@host/path?key=...``): as JSON (flow-run
+parameters, ``config.json``, artifacts) without its user, password and query."""
+
 
 class _Owner:
     """A config's link to the config it is part of (set by ``RunConfig``). It takes no part in
@@ -256,7 +269,11 @@ class RolloutConfig(_Base):
     rollout_shuffle: bool = True
     """Shuffle the prompt dataset each epoch (seeded by ``RunConfig.seed`` and the epoch)."""
     reward: str = "toy"
-    """Reward function: a registered name (``toy``, ``math``, ``gsm8k``) or ``"module:function"``."""
+    """Reward function: a registered name (``toy``, ``math``, ``gsm8k``, ``format``), ``remote``
+    (Miles' ``remote_rm``: each sample POSTed to ``rm_url``) or ``"module:function"``."""
+    rm_url: SecretFreeURL = None
+    """The remote reward's endpoint (Miles' ``--rm-url``), with ``reward = "remote"``: it gets each
+    sample as JSON (prompt, response, label, metadata) and answers its reward (``rewards.remote``)."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one reward call (a per-group function: of one group's call), in rollouts and
     evaluations alike: a call that has not returned by then fails its sample (status FAILED, error
@@ -271,6 +288,19 @@ class RolloutConfig(_Base):
     rollout_function_path: str | None = None
     """``"module:function"``: ``fn(ctx: RolloutContext, step: int) -> list[Group]`` (sync or async)
     replaces the whole generate-and-score step of sync and async modes; the groups must be scored."""
+
+    @model_validator(mode="after")
+    def _check_remote_reward(self) -> RolloutConfig:
+        remote = self.reward in ("remote", "remote_rm")
+        if remote and self.rm_url is None:
+            raise ValueError(f"rollout.reward = {self.reward!r} posts each sample to an endpoint: set "
+                             "rollout.rm_url (--rm-url URL)")
+        if self.rm_url is not None and not remote:
+            raise ValueError("rollout.rm_url is the remote reward's endpoint: set rollout.reward = 'remote' "
+                             "(--rm-type remote_rm)")
+        if self.rm_url is not None and not self.rm_url.startswith(("http://", "https://")):
+            raise ValueError("rollout.rm_url must start with http:// or https://")
+        return self
 
 
 class _Mode(_Base):

@@ -5,8 +5,9 @@
   Sync functions run in a worker thread so they never block the event loop.
 - ``register_reward(*names)`` registers one under names; ``get_reward(spec)`` returns a registered
   one or imports ``"package.module:function"``. Built-ins: ``toy`` (exact match of the addition
-  task, ``miles_core.data.toy``), ``math`` and ``gsm8k`` (``miles_core.rewards.math``), imported
-  on first use.
+  task, ``miles_core.data.toy``), ``math`` and ``gsm8k`` (``miles_core.rewards.math``), ``format``
+  (the answer stated as the math reward reads one), imported on first use; ``remote`` (``remote_rm``)
+  posts each sample to ``rollout.rm_url`` (``miles_core.rewards.remote``).
 - ``score_groups(fn, groups, timeout_s=60)`` fills ``sample.reward``. It never raises for a
   reward's failure: a sample whose reward raises (or is not a finite number: NaN and infinities
   never reach the advantages) gets status FAILED, ``reward`` None and ``error``
@@ -68,11 +69,22 @@ def register_reward(*names: str) -> Callable[[F], F]:
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted([*_REGISTRY, REMOTE[0]])
 
 
-def get_reward(spec: str) -> RewardFn:
-    """A registered reward by name, or the function ``"package.module:function"`` names."""
+REMOTE = ("remote", "remote_rm")
+"""Names of the remote reward (``rewards.remote``): it needs an endpoint, ``rollout.rm_url``."""
+
+
+def get_reward(spec: str, rm_url: str | None = None) -> RewardFn:
+    """A registered reward by name, the remote reward at ``rm_url`` (``remote``, Miles' ``remote_rm``),
+    or the function ``"package.module:function"`` names."""
+    if spec in REMOTE:
+        if rm_url is None:
+            raise ValueError(f"reward {spec!r} posts each sample to an endpoint: set rollout.rm_url (--rm-url URL)")
+        from miles_core.rewards.remote import RemoteReward
+
+        return RemoteReward(rm_url)
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     if ":" not in spec:
@@ -286,6 +298,16 @@ def math_answer(sample: Sample) -> float:
     from miles_core.rewards.math import math_reward
 
     return math_reward(sample.response, sample.label)
+
+
+@register_reward("format")
+def answer_format(sample: Sample) -> float:
+    """1.0 when the response states its final answer in a form the math reward reads as one (a box,
+    a GSM8K ``#### `` line, or "the answer is ..."), else 0.0 (``rewards.math.marks_an_answer``);
+    no label needed. Add it to another reward with a custom function or a reward post-process."""
+    from miles_core.rewards.math import marks_an_answer
+
+    return 1.0 if marks_an_answer(sample.response) else 0.0
 
 
 # -------------------------------------------------------------------------------- post-process

@@ -16,7 +16,8 @@ response is its final answer. The first kind present wins, its last occurrence:
 The label: a GSM8K solution's answer is the text after its last ``#### `` line; any other label is
 the answer as written, in LaTeX or plain (``11,\\! 111``, ``1\\frac{4}{5}``, ``1,-2``, ``40_9``).
 
-- ``final_answer(text)``: the part of a response (or a label's answer) that is its final answer.
+- ``final_answer(text)``: the part of a response that is its final answer; ``marks_an_answer(text)``:
+  whether one of steps 1-3 found it (the ``format`` reward).
 - ``math_reward(response, label)``: the reward. math-verify runs in a worker process of
   ``miles_core.rewards.isolated``, where its own time limits work (they use ``signal.alarm``, which
   only a process's main thread can): ``PARSE_TIMEOUT_S`` per parse, ``VERIFY_TIMEOUT_S`` per
@@ -56,6 +57,12 @@ def final_answer(text: str) -> str:
         if found:  # the marker's sentence: "The answer is 18. Check: 20 - 2 = 18" is 18
             return _SENTENCE_END.split(found[-1], 1)[0].rstrip(".")
     return text
+
+
+def marks_an_answer(text: str) -> bool:
+    """Whether ``text`` states its final answer in a form the math reward reads as one (steps 1-3:
+    a box, GSM8K's marker, "the answer is"), rather than leaving it to be guessed (step 4)."""
+    return final_answer(text) != text.replace("\u2212", "-")
 
 
 def label_answer(label: str) -> str:

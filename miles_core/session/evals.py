@@ -59,7 +59,7 @@ class Evaluator:
         """Each held-out dataset's reward function, by dataset name."""
         from miles_core.rewards import get_reward
 
-        return {d.name: get_reward(d.reward) for d in self.datasets}
+        return {d.name: get_reward(d.reward, self.cfg.rollout.rm_url) for d in self.datasets}
 
     @built_once
     def engine(self):

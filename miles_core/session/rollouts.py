@@ -76,7 +76,7 @@ class RolloutSide:
     def reward_fn(self):
         from miles_core.rewards import get_reward
 
-        return get_reward(self.cfg.rollout.reward)
+        return get_reward(self.cfg.rollout.reward, self.cfg.rollout.rm_url)
 
     @built_once
     def reward_post_process(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import operator
 import os
@@ -191,7 +192,7 @@ def test_toy_builtin_scores_exact_match():
 
 
 def test_unknown_name_lists_registered_rewards():
-    with pytest.raises(ValueError, match=r"unknown reward 'gsm9k'.*gsm8k, math, toy.*'package.module:function'"):
+    with pytest.raises(ValueError, match=r"unknown reward 'gsm9k'.*format, gsm8k, math, remote, toy.*'package.module:function'"):
         get_reward("gsm9k")
 
 
@@ -449,3 +450,98 @@ def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
     assert (stats.scored, stats.failed) == (63, 1)
     assert "WorkerTimeout" in groups[0].samples[0].error
     assert all(s.reward == 1.0 for g in groups for s in g.samples if s.response != "pathological")
+
+
+@pytest.mark.parametrize(("response", "expected"), [
+    ("So \\boxed{12}.", 1.0),
+    ("Adding them.\n#### 12", 1.0),
+    ("The answer is 12.", 1.0),
+    ("Answer: 12", 1.0),
+    ("12", 0.0),                         # a bare number: the reader has to guess
+    ("5 + 7 = 12", 0.0),
+    ("#### Step 1\nAdd 5 and 7.", 0.0),  # a markdown heading is no answer
+])
+def test_format_reward_scores_a_stated_answer(response, expected):
+    assert get_reward("format")(sample(response)) == expected
+
+
+class _Scorer(http.server.BaseHTTPRequestHandler):
+    """A reward service: 1.0 when the response contains the label; /flaky fails twice with 503 first;
+    /bad refuses with 400; /text answers something that is not a number."""
+
+    calls: dict[str, int] = {}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = self.calls[self.path] = self.calls.get(self.path, 0) + 1
+        if self.path == "/flaky" and n <= 2:
+            return self._send(503, b"busy")
+        if self.path == "/bad":
+            return self._send(400, b"no such task")
+        if self.path == "/text":
+            return self._send(200, b"great answer")
+        score = 1.0 if body["label"] in body["response"] else 0.0
+        self._send(200, json.dumps({"reward": score} if self.path == "/obj" else score).encode())
+
+    def _send(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scorer():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
+    _Scorer.calls = {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://user:s3cret@127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_remote_reward_posts_each_sample_and_reads_a_number(scorer, monkeypatch):
+    from miles_core.rewards import remote
+
+    monkeypatch.setattr(remote, "BACKOFF_S", (0.0, 0.0))
+    for path in ("/plain", "/obj", "/flaky"):
+        fn = get_reward("remote_rm", scorer + path)
+        groups = groups_of(["#### 18", "#### 3"])
+        stats = asyncio.run(score_groups(fn, groups))
+        assert (stats.scored, groups[0].rewards) == (2, [1.0, 0.0]), path
+    assert _Scorer.calls["/flaky"] == 4  # two 503s, then one answer each
+    for path, expected in (("/bad", "answered HTTP 400: 'no such task'"), ("/text", "expected a number")):
+        groups = groups_of(["#### 18"])
+        stats = asyncio.run(score_groups(get_reward("remote", scorer + path), groups))
+        assert stats.failed == 1 and expected in groups[0].samples[0].error, path
+        assert "s3cret" not in groups[0].samples[0].error  # the endpoint is named without its credentials
+    closed = f"http://127.0.0.1:{_free_port()}/score"
+    groups = groups_of(["#### 18"])
+    asyncio.run(score_groups(get_reward("remote", closed), groups))
+    assert "failed 3 times; the last: ConnectError" in groups[0].samples[0].error
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_remote_reward_needs_its_endpoint_and_keeps_credentials_out_of_json():
+    from pydantic import ValidationError
+
+    from miles_core.config import RunConfig
+
+    with pytest.raises(ValidationError, match=r"set rollout.rm_url \(--rm-url URL\)"):
+        RunConfig.model_validate({"rollout": {"reward": "remote"}})
+    with pytest.raises(ValidationError, match=r"set rollout.reward = 'remote' \(--rm-type remote_rm\)"):
+        RunConfig.model_validate({"rollout": {"rm_url": "http://127.0.0.1:1/score"}})
+    cfg = RunConfig.model_validate({"rollout": {"reward": "remote", "rm_url": "https://u:s3cr3t-t0k@rm.example/score?key=k3y-v4l"}})
+    assert cfg.rollout.rm_url == "https://u:s3cr3t-t0k@rm.example/score?key=k3y-v4l"  # the run itself calls it whole
+    assert cfg.public_dict()["rollout"]["rm_url"] == "https://rm.example/score"
+    assert "s3cr3t-t0k" not in cfg.model_dump_json() and "k3y-v4l" not in cfg.model_dump_json()
