@@ -21,15 +21,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def checkpoint_versions(layout) -> set[int]:
-    """The weight versions the run's complete checkpoints restore (retention keeps them)."""
+def checkpoint_versions(layout, lookback: int = 0) -> set[int]:
+    """The weight versions a resume from the run's complete checkpoints loads (retention keeps them):
+    each checkpoint's own, and with ``lookback`` those of the ``lookback`` steps before it (from the
+    run's metrics): an async run resumed after step k redoes rollout k with the version pushed up
+    to ``update_weights_interval`` steps before k."""
     from miles_core.storage.layout import CHECKPOINT_STATE, checkpoint_dir
 
-    versions = set()
+    versions, steps = set(), []
     for step in layout.checkpoints():
         state = layout.read_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}")
         if isinstance(state, dict) and isinstance(state.get("version"), int):
             versions.add(state["version"])
+            steps.append(step)
+    if lookback and steps:
+        for row in layout.read_jsonl("metrics.jsonl"):
+            if any(s - lookback <= row.get("step", -1) <= s for s in steps) and isinstance(row.get("version"), int):
+                versions.add(row["version"])
     return versions
 
 

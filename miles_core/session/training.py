@@ -131,7 +131,8 @@ class TrainerSide:
 
         keep = self.cfg.storage.keep_snapshots
         if keep is not None:
-            deleted = self.files.weights.retain(keep, pinned=checkpoint_versions(self.files.layout))
+            lookback = self.cfg.mode.update_weights_interval if self.cfg.mode.type == "async" else 0
+            deleted = self.files.weights.retain(keep, pinned=checkpoint_versions(self.files.layout, lookback))
             if deleted:
                 log.debug("weight versions deleted by retention: %s", deleted)
 

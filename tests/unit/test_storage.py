@@ -189,6 +189,21 @@ def test_retention_keeps_the_newest_the_checkpoints_and_the_pinned_versions(root
     assert store.retain(3, pinned=checkpoint_versions(layout)) == [2]
 
 
+def test_an_async_runs_retention_keeps_the_versions_its_resume_loads(root):
+    """Resumed after step 6, an async run redoes rollout 6 with the version pushed after step 5
+    (update_weights_interval 1), or after step 4 (interval 2): the versions just before a checkpoint's
+    stay, as the metrics record them (two optimizer steps a rollout: versions 2, 4, ...)."""
+    from miles_core.session.checkpoints import checkpoint_versions
+    from miles_core.storage.layout import CHECKPOINT_STATE, checkpoint_dir
+
+    layout = RunLayout(root, "toy", "run1")
+    layout.write_jsonl("metrics.jsonl", [{"step": k, "version": 2 * k} for k in range(1, 11)])
+    layout.write_json(f"{checkpoint_dir(6)}/{CHECKPOINT_STATE}", {"step": 6, "version": 12, "data_source": None})
+    assert checkpoint_versions(layout) == {12}
+    assert checkpoint_versions(layout, lookback=1) == {10, 12}
+    assert checkpoint_versions(layout, lookback=2) == {8, 10, 12}
+
+
 def test_snapshot_files_are_what_safetensors_reads_for_every_dtype_and_shape(root):
     """The store writes safetensors itself, tensor by tensor: safetensors reads every dtype, a 0-d
     and an empty tensor, a non-contiguous one, and the metadata back exactly."""
