@@ -31,8 +31,7 @@ import math
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
-from urllib.parse import urlsplit, urlunsplit
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -76,18 +75,6 @@ StorageOptions = Annotated[dict[str, Any], PlainSerializer(_serialise_options, w
 their secret entries are left out; the run resolves them where it starts (the environment, or
 ``storage.credentials_block``). In Python they are whole."""
 
-def _serialise_url(url: str | None, info: SerializationInfo) -> str | None:
-    if url is None or not info.mode_is_json() or (info.context or {}).get("with_secrets"):
-        return url
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
-
-
-SecretFreeURL = Annotated[Optional[str], PlainSerializer(_serialise_url, when_used="always")]
-"""A URL that may carry credentials (``https://user:token@host/path?key=...``): as JSON (flow-run
-parameters, ``config.json``, artifacts) without its user, password and query."""
-
-
 class _Owner:
     """A config's link to the config it is part of (set by ``RunConfig``). It takes no part in
     equality (two equal configs stay equal whoever holds them) and never serialises."""
@@ -117,7 +104,9 @@ class _Base(BaseModel):
     that breaks a rule raises and changes nothing (pydantic alone keeps a value its model
     validators rejected, and never runs the parent's)."""
 
+    # errors name the field and the rule, never echo the input: it may hold a secret (a URL's credentials)
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              hide_input_in_errors=True,
                               json_schema_extra=_form_order)
     _owner: _Owner | None = PrivateAttr(default=None)
 
@@ -271,9 +260,11 @@ class RolloutConfig(_Base):
     reward: str = "toy"
     """Reward function: a registered name (``toy``, ``math``, ``gsm8k``, ``format``), ``remote``
     (Miles' ``remote_rm``: each sample POSTed to ``rm_url``) or ``"module:function"``."""
-    rm_url: SecretFreeURL = None
+    rm_url: str | None = None
     """The remote reward's endpoint (Miles' ``--rm-url``), with ``reward = "remote"``: it gets each
-    sample as JSON (prompt, response, label, metadata) and answers its reward (``rewards.remote``)."""
+    sample as JSON (prompt, response, label, metadata) and answers its reward (``rewards.remote``).
+    It is stored with the run's config: no credentials in it (``MILES_RM_AUTHORIZATION`` in the
+    environment is sent as the ``Authorization`` header instead)."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one reward call (a per-group function: of one group's call), in rollouts and
     evaluations alike: a call that has not returned by then fails its sample (status FAILED, error
@@ -298,8 +289,13 @@ class RolloutConfig(_Base):
         if self.rm_url is not None and not remote:
             raise ValueError("rollout.rm_url is the remote reward's endpoint: set rollout.reward = 'remote' "
                              "(--rm-type remote_rm)")
-        if self.rm_url is not None and not self.rm_url.startswith(("http://", "https://")):
-            raise ValueError("rollout.rm_url must start with http:// or https://")
+        if self.rm_url is not None:
+            if not self.rm_url.startswith(("http://", "https://")):
+                raise ValueError("rollout.rm_url must start with http:// or https://")
+            if "@" in self.rm_url.split("//", 1)[1].split("/", 1)[0]:
+                raise ValueError("rollout.rm_url carries credentials (user:password@), which would be stored with the "
+                                 "run's config: set MILES_RM_AUTHORIZATION in the environment instead (sent as the "
+                                 "Authorization header)")
         return self
 
 
@@ -798,7 +794,8 @@ class TrainConfig(_Base):
     backward pass (Miles' ``--gradient-checkpointing``): a micro-batch's activations shrink about
     20-fold for about a third more compute. SmolLM2-135M, 8 samples of 48 tokens: 0.58 GB -> ~0.03 GB.
     Training passes then run every row's prompt (``share_prompt_forward`` applies to the no-gradient
-    passes only: a recomputed layer would write the shared prompt's cache twice)."""
+    passes only: a recomputed layer would write the shared prompt's cache twice). The torch and
+    DeepSpeed trainers; a multi-LoRA run's shared base (``multi_lora.shared_base``) does not use it."""
     share_prompt_forward: bool = True
     """Run each prompt once per micro-batch, its samples' responses on top of its cached keys and
     values (``train.shared_prompt``): the same logprobs and gradients up to rounding, at (n - 1) / n

@@ -190,6 +190,9 @@ class MultiLoraRun:
             log.info("multi_lora.shared_base needs the torch trainer backend: each adapter gets its own trainer "
                      "and copy of the base")
         self._bank_lock = threading.Lock()
+        devices = {c.train.backend.device for c in configs.values()}
+        self._bank_device = devices.pop() if len(devices) == 1 else None
+        """Where the bank's base is (None: the adapters disagree, and ``bank`` refuses to build)."""
         self.rollouts.lent = self.bank_weights(base.engine)
         self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in configs.items()}
         self._lock = threading.Lock()
@@ -339,7 +342,8 @@ class MultiLoraRun:
     def bank_weights(self, engine_cfg) -> LentWeights | None:
         """The adapter bank's frozen base for an engine of ``engine_cfg`` in this process (the run's, or
         an adapter's evaluation engine) where it can generate with it: one copy of the base for all."""
-        if not self.shares_base or not can_lend_weights(engine_cfg, self.cfg.train.backend):
+        backend = self.cfg.train.backend.model_copy(update={"device": self._bank_device})
+        if not self.shares_base or self._bank_device is None or not can_lend_weights(engine_cfg, backend):
             return None
         return LentWeights(lambda: self.bank.model)
 

@@ -181,6 +181,8 @@ class HFEngine:
         self._closed = False
         self._live_version: Callable[[], int] | None = None
         """Set by ``share_weights`` for weights that change under the engine: the version they are."""
+        self._frozen_base = False
+        """``share_weights`` of a frozen base: loading base weights would overwrite the lender's."""
 
     def share_weights(self, model: torch.nn.Module, live_version: Callable[[], int] | None = None) -> None:
         """Generate with ``model``'s weight tensors instead of a copy of them: one copy in memory, not
@@ -209,6 +211,7 @@ class HFEngine:
         for param, other in pairs:  # all checked first: a refused model leaves the engine as it was
             param.data = other.data
         self._live_version = live_version
+        self._frozen_base = live_version is None
         if live_version is not None:
             self._version = live_version()
 
@@ -244,6 +247,9 @@ class HFEngine:
         has finished, then report ``version``. Keys are checked before the model is touched. Once
         this waits for the running batch, calls queued behind it run after the load, on the new weights."""
         self._ensure_open()
+        if self._frozen_base:
+            raise RuntimeError(f"this engine generates with a frozen base it shares (a LoRA base); it loads "
+                               f"adapters, not base weights ({uri})")
         if self._live_version is not None:  # the weights are the trainer's own (``share_weights``)
             if version != self._live_version():
                 raise RuntimeError(f"this engine generates with the trainer's weights, version "

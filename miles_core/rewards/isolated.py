@@ -25,7 +25,11 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 MAX_WORKERS = max(2, min(4, os.cpu_count() or 2))
-"""Worker processes at most (each ~100 MB with sympy); more calls than that wait for one."""
+"""Worker processes at most (each ~70 MB with sympy); more calls than that wait for one."""
+PRELOAD = ("math_verify",)
+"""Modules a worker imports before it says it is ready (the math reward's)."""
+STARTUP_TIMEOUT_S = 120.0
+"""How long a new worker may take to import them (seconds of a busy machine)."""
 
 
 class WorkerTimeout(Exception):
@@ -41,12 +45,21 @@ class _Worker:
     """One worker: ``python -m miles_core.rewards.isolated``, spoken to over its stdin and stdout."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, *PRELOAD], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, close_fds=True)
         self.send = Connection(os.dup(self.process.stdin.fileno()), readable=False)
         self.recv = Connection(os.dup(self.process.stdout.fileno()), writable=False)
         self.process.stdin.close()
         self.process.stdout.close()
+        # a call's deadline starts once the worker has imported what it needs, not with the interpreter
+        if not self.recv.poll(STARTUP_TIMEOUT_S):
+            self.kill()
+            raise WorkerDied(f"a reward worker process did not start within {STARTUP_TIMEOUT_S:g} s")
+        try:
+            self.recv.recv()
+        except (EOFError, OSError):
+            self.kill()
+            raise WorkerDied(f"a reward worker process exited on start (code {self.process.poll()})") from None
 
     def run(self, fn: Callable[..., Any], args: tuple, deadline_s: float) -> Any:
         what = f"{fn.__module__}.{fn.__qualname__}"
@@ -64,7 +77,10 @@ class _Worker:
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.wait(5)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:  # reaped later by the interpreter; the slot is free either way
+            pass
         self.send.close()
         self.recv.close()
 
@@ -107,8 +123,13 @@ class _Pool:
             raise
 
     def _give_back(self, worker: _Worker, healthy: bool) -> None:
-        if not healthy:
-            worker.kill()
+        try:
+            if not healthy:
+                worker.kill()
+        finally:
+            self._release(worker, healthy)
+
+    def _release(self, worker: _Worker, healthy: bool) -> None:
         with self.cond:
             self.busy -= 1
             if healthy:
@@ -138,6 +159,14 @@ def _serve() -> None:
     recv = Connection(os.dup(0), writable=False)
     send = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
+    import importlib
+
+    for name in sys.argv[1:]:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the call that needs it raises, naming it
+            pass
+    send.send("ready")
     while True:
         try:
             fn, args = recv.recv()

@@ -10,14 +10,14 @@ response is its final answer. The first kind present wins, its last occurrence:
    (a number, a sign, ``$``, a fraction or LaTeX): ``#### 72``; a markdown heading such as
    ``#### Step 2`` is not one;
 3. "the answer is ..." or "Answer: ...": the rest of that sentence;
-4. the whole response, as math-verify reads it (its own "final answer is" patterns, then the last
-   LaTeX or plain expression, such as the last number).
+4. the response's end (its last ``MAX_ANSWER_CHARS`` characters), as math-verify reads it (its own
+   "final answer is" patterns, then the last LaTeX or plain expression, such as the last number).
 
 The label: a GSM8K solution's answer is the text after its last ``#### `` line; any other label is
 the answer as written, in LaTeX or plain (``11,\\! 111``, ``1\\frac{4}{5}``, ``1,-2``, ``40_9``).
 
-- ``final_answer(text)``: the part of a response that is its final answer; ``marks_an_answer(text)``:
-  whether one of steps 1-3 found it (the ``format`` reward).
+- ``final_answer(text)``: the part of a response that is its final answer; ``marked_answer`` /
+  ``marks_an_answer``: the one steps 1-3 find, if any (the ``format`` reward).
 - ``math_reward(response, label)``: the reward. math-verify runs in a worker process of
   ``miles_core.rewards.isolated``, where its own time limits work (they use ``signal.alarm``, which
   only a process's main thread can): ``PARSE_TIMEOUT_S`` per parse, ``VERIFY_TIMEOUT_S`` per
@@ -37,7 +37,8 @@ VERIFY_TIMEOUT_S = 1
 CALL_DEADLINE_S = 10.0
 """A worker that has not answered by then is killed and the call raises ``WorkerTimeout``."""
 MAX_ANSWER_CHARS = 1000
-"""A final answer longer than this is not parsed (it scores 0): no sympy work on a wall of text."""
+"""A marked final answer longer than this scores 0 (no sympy work on a wall of text); a response
+without a marker is read from its last ``MAX_ANSWER_CHARS`` characters."""
 
 _GSM8K_MARKER = re.compile(r"^#### +([-+$\\(.\d].*?)\s*$", re.M)
 _ANSWER_IS = re.compile(r"\b(?:the\s+(?:final\s+)?answer\s+is|answer\s*:)\s*:?\s*(.+?)\s*$", re.I | re.M)
@@ -45,9 +46,9 @@ _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SENTENCE_END = re.compile(r"\.\s")
 
 
-def final_answer(text: str) -> str:
-    """The final answer's part of ``text`` (module docstring, steps 1-4): a ``\\boxed{...}``, the rest
-    of a marker's line, or the whole text for math-verify to read."""
+def marked_answer(text: str) -> str | None:
+    """The answer ``text`` marks as final (module docstring, steps 1-3): a ``\\boxed{...}``, or the
+    rest of a marker's line or sentence; None if it marks none."""
     text = text.replace("\u2212", "-")  # a unicode minus
     boxed = _last_boxed(text)
     if boxed is not None:
@@ -56,13 +57,20 @@ def final_answer(text: str) -> str:
         found = [m.group(1) for m in marker.finditer(text) if m.group(1).strip()]
         if found:  # the marker's sentence: "The answer is 18. Check: 20 - 2 = 18" is 18
             return _SENTENCE_END.split(found[-1], 1)[0].rstrip(".")
-    return text
+    return None
+
+
+def final_answer(text: str) -> str:
+    """The part of ``text`` math-verify reads as its final answer: the marked one, else the text's end
+    (step 4: its last ``MAX_ANSWER_CHARS`` characters)."""
+    marked = marked_answer(text)
+    return marked if marked is not None else text.replace("\u2212", "-")[-MAX_ANSWER_CHARS:]
 
 
 def marks_an_answer(text: str) -> bool:
     """Whether ``text`` states its final answer in a form the math reward reads as one (steps 1-3:
-    a box, GSM8K's marker, "the answer is"), rather than leaving it to be guessed (step 4)."""
-    return final_answer(text) != text.replace("\u2212", "-")
+    a box, GSM8K's marker, "the answer is"), rather than leaving it to be found (step 4)."""
+    return marked_answer(text) is not None
 
 
 def label_answer(label: str) -> str:

@@ -2,7 +2,9 @@
 
 Each sample is POSTed to ``rollout.rm_url`` as JSON, ``{"prompt", "response", "label", "metadata"}``,
 and the answer is its reward: a JSON number, or an object with a ``"reward"`` (or ``"score"``)
-number. A connection error, a timeout or a 5xx answer is tried again (``ATTEMPTS`` in all, waiting
+number; ``MILES_RM_AUTHORIZATION`` in the environment, if set, is sent as the ``Authorization``
+header (credentials never go in the URL, which is stored with the run's config). A connection
+error, a timeout or a 5xx answer is tried again (``ATTEMPTS`` in all, waiting
 ``BACKOFF_S`` between them); a 4xx answer or a body that is not a number fails the sample at once,
 naming the endpoint (without credentials or query), the status and the start of the body. The
 call as a whole has the run's reward deadline (``rollout.reward_timeout_s``), like any reward.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,7 +52,9 @@ class RemoteReward:
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
                    "metadata": sample.metadata}
         last = ""
-        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:  # a client is bound to its event loop
+        auth = os.environ.get("MILES_RM_AUTHORIZATION")
+        headers = {"Authorization": auth} if auth else {}
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, headers=headers) as client:  # bound to its loop
             return await self._post(client, payload)
 
     async def _post(self, client: Any, payload: dict[str, Any]) -> float:

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 def checkpoint_versions(layout, lookback: int = 0) -> set[int]:
     """The weight versions a resume from the run's complete checkpoints loads (retention keeps them):
-    each checkpoint's own, and with ``lookback`` those of the ``lookback`` steps before it (from the
-    run's metrics): an async run resumed after step k redoes rollout k with the version pushed up
-    to ``update_weights_interval`` steps before k."""
+    each checkpoint's own, and with ``lookback`` (an async run's ``update_weights_interval``) the
+    versions pushed in the ``lookback`` steps before it (from the run's metrics): an async run
+    resumed after step k redoes rollout k with the version pushed last before k."""
     from miles_core.storage.layout import CHECKPOINT_STATE, checkpoint_dir
 
     versions, steps = set(), []
@@ -34,9 +34,10 @@ def checkpoint_versions(layout, lookback: int = 0) -> set[int]:
         if isinstance(state, dict) and isinstance(state.get("version"), int):
             versions.add(state["version"])
             steps.append(step)
-    if lookback and steps:
+    if lookback and steps:  # the pushes (steps n with n % lookback == 0) of the window before each checkpoint
         for row in layout.read_jsonl("metrics.jsonl"):
-            if any(s - lookback <= row.get("step", -1) <= s for s in steps) and isinstance(row.get("version"), int):
+            n = row.get("step", -1)
+            if n % lookback == 0 and any(s - lookback <= n <= s for s in steps) and isinstance(row.get("version"), int):
                 versions.add(row["version"])
     return versions
 

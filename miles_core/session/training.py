@@ -132,7 +132,9 @@ class TrainerSide:
         keep = self.cfg.storage.keep_snapshots
         if keep is not None:
             lookback = self.cfg.mode.update_weights_interval if self.cfg.mode.type == "async" else 0
-            deleted = self.files.weights.retain(keep, pinned=checkpoint_versions(self.files.layout, lookback))
+            # the checkpoint of this step is written after this: its resume's version is among the newest
+            deleted = self.files.weights.retain(max(keep, lookback + 1),
+                                                pinned=checkpoint_versions(self.files.layout, lookback))
             if deleted:
                 log.debug("weight versions deleted by retention: %s", deleted)
 

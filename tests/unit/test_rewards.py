@@ -105,6 +105,8 @@ def test_final_answer_picks_box_then_gsm8k_marker_then_answer_is_then_the_whole_
     assert final_answer("#### Step 1\nThe answer is 17. Check: 3 + 4 = 7") == "17"
     assert final_answer("The answer is \u22125") == "-5"  # unicode minus
     assert final_answer("no marker, 3 + 4 = 7") == "no marker, 3 + 4 = 7"  # math-verify reads it
+    long = "Let me think. " * 200 + "So 3 + 4 = 7"
+    assert final_answer(long) == long[-1000:] and math_reward(long, "7") == 1.0  # the end of a long answer
     assert label_answer("Some steps.\n#### 72") == "72"
     assert label_answer("11,\\! 111") == "11,\\! 111"
 
@@ -460,6 +462,7 @@ def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
     ("12", 0.0),                         # a bare number: the reader has to guess
     ("5 + 7 = 12", 0.0),
     ("#### Step 1\nAdd 5 and 7.", 0.0),  # a markdown heading is no answer
+    ("\\boxed{12}", 1.0),
 ])
 def test_format_reward_scores_a_stated_answer(response, expected):
     assert get_reward("format")(sample(response)) == expected
@@ -499,7 +502,7 @@ def scorer():
     _Scorer.calls = {}
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://user:s3cret@127.0.0.1:{server.server_address[1]}"
+    yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
 
@@ -517,7 +520,6 @@ def test_the_remote_reward_posts_each_sample_and_reads_a_number(scorer, monkeypa
         groups = groups_of(["#### 18"])
         stats = asyncio.run(score_groups(get_reward("remote", scorer + path), groups))
         assert stats.failed == 1 and expected in groups[0].samples[0].error, path
-        assert "s3cret" not in groups[0].samples[0].error  # the endpoint is named without its credentials
     closed = f"http://127.0.0.1:{_free_port()}/score"
     groups = groups_of(["#### 18"])
     asyncio.run(score_groups(get_reward("remote", closed), groups))
@@ -532,7 +534,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_remote_reward_needs_its_endpoint_and_keeps_credentials_out_of_json():
+def test_the_remote_reward_needs_its_endpoint_and_no_credentials_in_it():
     from pydantic import ValidationError
 
     from miles_core.config import RunConfig
@@ -541,7 +543,25 @@ def test_the_remote_reward_needs_its_endpoint_and_keeps_credentials_out_of_json(
         RunConfig.model_validate({"rollout": {"reward": "remote"}})
     with pytest.raises(ValidationError, match=r"set rollout.reward = 'remote' \(--rm-type remote_rm\)"):
         RunConfig.model_validate({"rollout": {"rm_url": "http://127.0.0.1:1/score"}})
-    cfg = RunConfig.model_validate({"rollout": {"reward": "remote", "rm_url": "https://u:s3cr3t-t0k@rm.example/score?key=k3y-v4l"}})
-    assert cfg.rollout.rm_url == "https://u:s3cr3t-t0k@rm.example/score?key=k3y-v4l"  # the run itself calls it whole
-    assert cfg.public_dict()["rollout"]["rm_url"] == "https://rm.example/score"
-    assert "s3cr3t-t0k" not in cfg.model_dump_json() and "k3y-v4l" not in cfg.model_dump_json()
+    with pytest.raises(ValidationError, match="MILES_RM_AUTHORIZATION") as refused:
+        RunConfig.model_validate({"rollout": {"reward": "remote", "rm_url": "https://u:s3cr3t-t0k@rm.example/s"}})
+    assert "s3cr3t-t0k" not in str(refused.value)  # the error does not echo the URL
+
+
+def test_the_remote_reward_sends_the_authorization_from_the_environment(scorer, monkeypatch):
+    seen = []
+
+    class Auth(_Scorer):
+        def do_POST(self):  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            super().do_POST()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Auth)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("MILES_RM_AUTHORIZATION", "Bearer t0k3n")
+    try:
+        groups = groups_of(["#### 18"])
+        asyncio.run(score_groups(get_reward("remote", f"http://127.0.0.1:{server.server_address[1]}/plain"), groups))
+    finally:
+        server.shutdown()
+    assert seen == ["Bearer t0k3n"] and groups[0].rewards == [1.0]

@@ -76,6 +76,10 @@ def test_a_lora_runs_engines_share_the_frozen_base_and_load_adapters_by_name(tin
         asyncio.run(engine.load_adapter("policy", folder, trainer.version))
     _same_results(_generate(shared, "policy"), _generate(own, "policy"))
     _same_results(_generate(shared), _generate(own))  # the base itself is the starting model
+    base = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="frozen base it shares"):  # base weights would land in the trainer's
+        asyncio.run(shared.update_weights(str(tiny_model_dir), 1))
+    assert all(torch.equal(v, base[k]) for k, v in trainer.model.state_dict().items())
 
 
 def test_a_multi_lora_runs_engines_share_the_adapter_banks_base(tiny_model_dir, tmp_path):

@@ -201,7 +201,8 @@ def test_an_async_runs_retention_keeps_the_versions_its_resume_loads(root):
     layout.write_json(f"{checkpoint_dir(6)}/{CHECKPOINT_STATE}", {"step": 6, "version": 12, "data_source": None})
     assert checkpoint_versions(layout) == {12}
     assert checkpoint_versions(layout, lookback=1) == {10, 12}
-    assert checkpoint_versions(layout, lookback=2) == {8, 10, 12}
+    assert checkpoint_versions(layout, lookback=2) == {8, 12}  # pushed after steps 4 and 6 (step 5 pushed nothing)
+    assert checkpoint_versions(layout, lookback=3) == {6, 12}  # pushed after step 3; 6 is the checkpoint's own
 
 
 def test_snapshot_files_are_what_safetensors_reads_for_every_dtype_and_shape(root):
