@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,33 @@ def first_sample_fails(sample) -> float:
     if sample.sample_index == 0:
         raise ValueError("the judge refused sample 0")
     return 0.0
+
+
+def never_returns(sample) -> float:
+    """A reward whose service hangs: the call never comes back."""
+    threading.Event().wait()
+    return 1.0
+
+
+def test_a_reward_that_never_returns_fails_the_run_after_a_few_deadlines(prefect_backend, tiny_model_dir, tmp_path,
+                                                                         capfd):
+    """Each step's 16 samples are scored side by side, each call timing out after 1 s: three steps in
+    a row train nothing (--max-skipped-steps 3) and the run fails naming the timeout; each timeout
+    is logged as it happens."""
+    from flows.train import train
+    from miles_core.session.training import SkippedSteps
+
+    cfg = _tiny_run(tmp_path, tiny_model_dir, rollout={"num_rollout": 10, "rollout_batch_size": 4,
+                                                        "n_samples_per_prompt": 4, "rollout_max_response_len": 4,
+                                                        "reward": "test_train_flow:never_returns",
+                                                        "reward_timeout_s": 1.0},
+                    eval={"skip_eval_before_train": True, "eval_interval": 100, "num_prompts": 8})
+    state = train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(SkippedSteps, match=r"(?s)3 training steps in a row changed nothing.*step 1: 16 of 16 "
+                                           r"samples had no valid reward \(reward: RewardTimeout: timed out after 1 s"):
+        state.result()
+    assert "reward never_returns timed out after 1 s on group 0 sample 0" in capfd.readouterr().err
 
 
 def test_sync_flow_on_s3_moves_samples_and_weights_through_the_endpoint(prefect_backend, tiny_model_dir, tmp_path):
