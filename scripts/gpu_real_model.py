@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -41,21 +42,24 @@ PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 def _wheels_on_path() -> None:
-    """pydantic from ``.cache/gpu-wheels`` when this Python lacks it (wheels unpacked to a temp dir)."""
+    """pydantic and math-verify from ``.cache/gpu-wheels`` when this Python lacks them (wheels unpacked to
+    a temp dir, on this process's path and, through PYTHONPATH, its children's: the math reward's workers)."""
     try:
+        import math_verify  # noqa: F401
         import pydantic  # noqa: F401
         return
     except ImportError:
         pass
     wheels = sorted((ROOT / ".cache" / "gpu-wheels").glob("*.whl"))
     if not wheels:
-        raise SystemExit("gpu_real_model: pydantic is not installed and .cache/gpu-wheels has no wheels: run "
-                         "scripts/gpu_wheels.sh where there is network, and carry .cache/gpu-wheels")
+        raise SystemExit("gpu_real_model: pydantic or math-verify is not installed and .cache/gpu-wheels has no "
+                         "wheels: run scripts/gpu_wheels.sh where there is network, and carry .cache/gpu-wheels")
     target = Path(tempfile.mkdtemp(prefix="gpu-wheels-"))
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
             z.extractall(target)
     sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH")) if p)
 
 
 def _model_dir(arg: str | None, out: Path) -> tuple[str, str]:
