@@ -62,16 +62,12 @@ def timed(fn, args_list) -> tuple[list[float], list[float]]:
     return values, seconds
 
 
-def quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gsm8k", type=int, default=400, help="GSM8K test rows (each gives two items)")
     args = parser.parse_args()
     logging_off()
+    from miles_core.metrics import quantile
     from miles_core.rewards import get_reward
     from miles_core.rewards.math import math_reward
     from miles_core.types import Sample

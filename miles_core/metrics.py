@@ -1,5 +1,5 @@
 """Evaluation metrics: pass@k (unbiased estimator), the summary of an evaluated batch
-(``eval_metrics``), and one evaluation's row over several datasets (``eval_row``)."""
+(``eval_metrics``), and one evaluation's row over several datasets (``eval_row``); ``quantile``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ from math import comb
 
 from miles_core.rollout.generate import is_correct
 from miles_core.types import Group, SampleStatus
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the element at rank ``q * n``, no interpolation; 0.0 for none)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

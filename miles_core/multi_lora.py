@@ -166,7 +166,13 @@ class MultiLoraRun:
         self.names = cfg.multi_lora.names
         base = cfg.model_copy(update={"lora": None})  # the base model: no adapter of its own (its mode is fully async)
         self.files, self.loop = RunFiles.open(base, refs), EngineLoop()
-        self.rollouts = RolloutSide(base, refs, self.files, self.loop)
+        configs = cfg.adapter_configs()
+        self.shares_base = cfg.multi_lora.shared_base and all(
+            c.train.backend.type == "torch" for c in configs.values())
+        """The adapters train on one base, their steps fused (``multi_lora.shared_base``, torch backend)."""
+        self._bank_devices = sorted({c.train.backend.device for c in configs.values()})
+        """Where the adapters train (the bank's base needs exactly one: ``bank``)."""
+        self.rollouts = RolloutSide(base, refs, self.files, self.loop, lent=self.bank_weights(base.engine))
         self.trackers = open_trackers(cfg, refs.run_id, refs.run_dir)  # one for the run: adapters under <name>/
         self.history = RunHistory(self.files.layout, self.trackers)
         self.evals = Evaluator(base, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
@@ -182,18 +188,10 @@ class MultiLoraRun:
         self._recycle_log = PromptLog(refs.run_dir, opts, retry=retry)
         self._recycle_lock = threading.Lock()
         self._stop_asked = threading.Event()
-        configs = cfg.adapter_configs()
-        self.shares_base = cfg.multi_lora.shared_base and all(
-            c.train.backend.type == "torch" for c in configs.values())
-        """The adapters train on one base, their steps fused (``multi_lora.shared_base``, torch backend)."""
         if cfg.multi_lora.shared_base and not self.shares_base:
             log.info("multi_lora.shared_base needs the torch trainer backend: each adapter gets its own trainer "
                      "and copy of the base")
         self._bank_lock = threading.Lock()
-        devices = {c.train.backend.device for c in configs.values()}
-        self._bank_device = devices.pop() if len(devices) == 1 else None
-        """Where the bank's base is (None: the adapters disagree, and ``bank`` refuses to build)."""
-        self.rollouts.lent = self.bank_weights(base.engine)
         self.adapters = {name: AdapterSession(self, name, acfg) for name, acfg in configs.items()}
         self._lock = threading.Lock()
         self.finished: dict[str, str | None] = {}
@@ -332,18 +330,17 @@ class MultiLoraRun:
         """The adapters' one base model (``shares_base``): ``train.adapter_bank.AdapterBank``."""
         from miles_core.train.adapter_bank import AdapterBank
 
-        devices = {s.cfg.train.backend.device for s in self.adapters.values()}
-        if len(devices) > 1:
-            raise ValueError(f"multi_lora.shared_base: the adapters train on different devices ({sorted(devices)}); "
+        if len(self._bank_devices) > 1:
+            raise ValueError(f"multi_lora.shared_base: the adapters train on different devices ({self._bank_devices}); "
                              "give them one train.backend.device, or set multi_lora.shared_base = false")
-        return AdapterBank(self.refs.model_dir, self.cfg.model.dtype, devices.pop(),
+        return AdapterBank(self.refs.model_dir, self.cfg.model.dtype, self._bank_devices[0],
                            gather_timeout_s=self.cfg.multi_lora.gather_timeout_s)
 
     def bank_weights(self, engine_cfg) -> LentWeights | None:
         """The adapter bank's frozen base for an engine of ``engine_cfg`` in this process (the run's, or
         an adapter's evaluation engine) where it can generate with it: one copy of the base for all."""
-        backend = self.cfg.train.backend.model_copy(update={"device": self._bank_device})
-        if not self.shares_base or self._bank_device is None or not can_lend_weights(engine_cfg, backend):
+        one_device = len(self._bank_devices) == 1
+        if not (self.shares_base and one_device and can_lend_weights(engine_cfg, self._bank_devices[0])):
             return None
         return LentWeights(lambda: self.bank.model)
 

@@ -196,12 +196,10 @@ class HFEngine:
         then reads nothing, and refuses any other version, since loading it would overwrite the
         trainer's weights."""
         lender = model.get_base_model() if hasattr(model, "get_base_model") else model
-        theirs = {_plain_name(k): v for k, v in lender.named_parameters(remove_duplicate=False) if ".lora_" not in k}
+        theirs = _plain_params(lender)
         pairs = []
-        for name, param in self._base.named_parameters(remove_duplicate=False):
-            if ".lora_" in name:
-                continue
-            other = theirs.get(_plain_name(name))
+        for name, param in _plain_params(self._base).items():
+            other = theirs.get(name)
             if other is None or other.shape != param.shape or other.dtype != param.dtype \
                     or other.device != param.device:
                 found = "missing" if other is None else f"{tuple(other.shape)} {other.dtype} on {other.device}"
@@ -585,7 +583,7 @@ class HFEngine:
         """Snapshot name -> the base model's own name of each weight. A LoRA layer renames the
         weight it wraps to ``<module>.base_layer.weight`` and adds adapter weights, which base
         snapshots do not carry."""
-        return {k.replace(".base_layer.", "."): k for k in self._base.state_dict() if ".lora_" not in k}
+        return {_plain_name(k): k for k in self._base.state_dict() if ".lora_" not in k}
 
     def _install_adapter(self, name: str, uri: str) -> None:
         """Worker thread, under the lock: read the adapter folder and load it as ``name``."""
@@ -769,6 +767,11 @@ def _plain_name(name: str) -> str:
     """A weight's name in the plain model: a LoRA layer keeps the layer it wraps as ``base_layer``
     (PEFT) or ``base`` (``AdapterBank``)."""
     return _WRAPPED_RE.sub(r".\1", name)
+
+
+def _plain_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``module``'s base weights by their plain names (LoRA weights left out; tied ones under each name)."""
+    return {_plain_name(k): v for k, v in module.named_parameters(remove_duplicate=False) if ".lora_" not in k}
 
 
 def _alias_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:

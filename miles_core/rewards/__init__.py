@@ -115,11 +115,12 @@ class RewardStats:
 
     def seconds_metrics(self) -> dict[str, float]:
         """``reward_seconds_p50``, ``_p99`` and ``_max`` of the calls (none: nothing)."""
+        from miles_core.metrics import quantile
+
         if not self.call_seconds:
             return {}
-        ordered = sorted(self.call_seconds)
-        at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-        return {"reward_seconds_p50": at(0.5), "reward_seconds_p99": at(0.99), "reward_seconds_max": ordered[-1]}
+        return {"reward_seconds_p50": quantile(self.call_seconds, 0.5),
+                "reward_seconds_p99": quantile(self.call_seconds, 0.99), "reward_seconds_max": max(self.call_seconds)}
 
 
 async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int = 64,
@@ -134,17 +135,12 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     limit = asyncio.Semaphore(max_concurrency)
     per_group = getattr(fn, "per_group", False)
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-    name = getattr(fn, "__qualname__", type(fn).__name__)
 
-    async def timed(call: Callable[[], Awaitable[None]], samples: list[Sample]) -> None:
+    async def timed(call: Callable[[], Awaitable[None]]) -> None:
         async with limit:
             t0 = time.perf_counter()
             await call()
             stats.call_seconds.append(time.perf_counter() - t0)
-        timed_out = [s for s in samples if s.status is SampleStatus.FAILED and RewardTimeout.MARK in (s.error or "")]
-        if timed_out:
-            where = ", ".join(f"group {s.group_index} sample {s.sample_index}" for s in timed_out[:3])
-            log.warning("reward %s timed out after %g s on %s (rollout.reward_timeout_s)", name, timeout_s, where)
 
     todo = []
     for group in groups:
@@ -155,10 +151,10 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     calls = []
     for samples in todo:
         if per_group:
-            calls.append(timed(lambda ss=samples: _score_group(fn, ss, is_async, timeout_s), samples))
+            calls.append(timed(lambda ss=samples: _score_group(fn, ss, is_async, timeout_s)))
         else:
             score_one = _score_one_async if is_async else _score_one_in_thread
-            calls += [timed(lambda s=s: score_one(fn, s, timeout_s), [s]) for s in samples]
+            calls += [timed(lambda s=s: score_one(fn, s, timeout_s)) for s in samples]
     await asyncio.gather(*calls)
     for samples in todo:
         for s in samples:
@@ -172,10 +168,17 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
 
 
 class RewardTimeout(Exception):
-    MARK = "timed out after"
-
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"{self.MARK} {timeout_s:g} s (rollout.reward_timeout_s)")
+        super().__init__(f"timed out after {timeout_s:g} s (rollout.reward_timeout_s)")
+
+
+def _time_out(fn: Any, samples: list[Sample], timeout_s: float) -> None:
+    """Fail ``samples``, whose call to ``fn`` passed its deadline, and log it as it happens."""
+    for s in samples:
+        _fail(s, RewardTimeout(timeout_s))
+    where = ", ".join(f"group {s.group_index} sample {s.sample_index}" for s in samples[:3])
+    log.warning("reward %s timed out after %g s on %s (rollout.reward_timeout_s)",
+                getattr(fn, "__qualname__", type(fn).__name__), timeout_s, where)
 
 
 async def _score_one_in_thread(fn: Callable[[Sample], Any], sample: Sample, timeout_s: float) -> None:
@@ -184,7 +187,7 @@ async def _score_one_in_thread(fn: Callable[[Sample], Any], sample: Sample, time
     try:
         value = await asyncio.wait_for(_in_thread(fn, sample), timeout_s)
     except asyncio.TimeoutError:
-        _fail(sample, RewardTimeout(timeout_s))
+        _time_out(fn, [sample], timeout_s)
         return
     except Exception as e:
         _fail(sample, e)
@@ -240,7 +243,7 @@ async def _score_one_async(fn: Callable[[Sample], Any], sample: Sample, timeout_
     try:
         _set_reward(sample, await asyncio.wait_for(fn(sample), timeout_s))
     except asyncio.TimeoutError:
-        _fail(sample, RewardTimeout(timeout_s))
+        _time_out(fn, [sample], timeout_s)
     except Exception as e:
         _fail(sample, e)
 
@@ -253,8 +256,7 @@ async def _score_group(fn: Callable[[list[Sample]], Any], samples: list[Sample],
         if len(rewards) != len(samples):
             raise ValueError(f"per-group reward returned {len(rewards)} scores for {len(samples)} samples")
     except asyncio.TimeoutError:
-        for s in samples:
-            _fail(s, RewardTimeout(timeout_s))
+        _time_out(fn, samples, timeout_s)
         return
     except Exception as e:
         for s in samples:

@@ -54,6 +54,8 @@ class _Worker:
         self.recv = Connection(os.dup(self.process.stdout.fileno()), writable=False)
         self.process.stdin.close()
         self.process.stdout.close()
+        self.mid_call = False
+        """Whether a call was sent whose answer has not been read (``run``)."""
         # a call's deadline starts once the worker has imported what it needs, not with the interpreter
         if not self.recv.poll(STARTUP_TIMEOUT_S):
             self.kill()
@@ -65,7 +67,10 @@ class _Worker:
             raise WorkerDied(f"a reward worker process exited on start (code {self.process.poll()})") from None
 
     def run(self, fn: Callable[..., Any], args: tuple, deadline_s: float) -> Any:
+        """``fn(*args)`` in the worker; ``mid_call`` stays True unless its answer came back (then the
+        worker can take the next call; else it is killed: an answer may still be on its way)."""
         what = f"{fn.__module__}.{fn.__qualname__}"
+        self.mid_call = True
         try:
             self.send.send((fn, args))
             if not self.recv.poll(deadline_s):
@@ -74,6 +79,7 @@ class _Worker:
         except (EOFError, OSError):
             raise WorkerDied(f"the reward worker process ended (exit code {self.process.poll()}) "
                              f"during {what}") from None
+        self.mid_call = False
         if not ok:
             raise value
         return value
@@ -97,18 +103,10 @@ class _Pool:
 
     def call(self, fn: Callable[..., Any], args: tuple, deadline_s: float) -> Any:
         worker = self._take()
-        healthy = False
         try:
-            result = worker.run(fn, args, deadline_s)
-            healthy = True
-            return result
-        except (WorkerTimeout, WorkerDied, OSError):
-            raise
-        except BaseException:  # the function's own exception: the worker is fine
-            healthy = True
-            raise
+            return worker.run(fn, args, deadline_s)
         finally:
-            self._give_back(worker, healthy)
+            self._give_back(worker)
 
     def _take(self) -> _Worker:
         with self.cond:
@@ -125,19 +123,17 @@ class _Pool:
                 self.cond.notify()
             raise
 
-    def _give_back(self, worker: _Worker, healthy: bool) -> None:
+    def _give_back(self, worker: _Worker) -> None:
+        """Back to the idle ones if its call's answer came back; else killed. Its slot is free either way."""
         try:
-            if not healthy:
+            if worker.mid_call:
                 worker.kill()
         finally:
-            self._release(worker, healthy)
-
-    def _release(self, worker: _Worker, healthy: bool) -> None:
-        with self.cond:
-            self.busy -= 1
-            if healthy:
-                self.idle.append(worker)
-            self.cond.notify()
+            with self.cond:
+                self.busy -= 1
+                if not worker.mid_call:
+                    self.idle.append(worker)
+                self.cond.notify()
 
     def close(self) -> None:
         with self.cond:

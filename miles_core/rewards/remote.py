@@ -34,7 +34,7 @@ class RemoteRewardError(RuntimeError):
 def endpoint(url: str) -> str:
     """``url`` as logs and errors may show it: no user, password or query (they may hold secrets)."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 class RemoteReward:
@@ -51,7 +51,6 @@ class RemoteReward:
 
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
                    "metadata": sample.metadata}
-        last = ""
         auth = os.environ.get("MILES_RM_AUTHORIZATION")
         headers = {"Authorization": auth} if auth else {}
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, headers=headers) as client:  # bound to its loop

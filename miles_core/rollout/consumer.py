@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from miles_core.metrics import quantile
 from miles_core.rollout.buffer import DataBuffer, Rejected, group_lag
 from miles_core.rollout.producer import ADAPTER_VERSIONS, RECYCLE_PRODUCER
 from miles_core.types import Group, Sample, regroup
@@ -370,14 +371,7 @@ class GroupFeed:
                 "async/rejected_staleness_mean": statistics.fmean(rlags),
                 "async/rejected_staleness_max": float(max(rlags)),
                 "async/rejected_response_len_mean": statistics.fmean(rej_lens) if rej_lens else 0.0,
-                "async/rejected_response_len_p50": _quantile(rej_lens, 0.5),
-                "async/rejected_response_len_p90": _quantile(rej_lens, 0.9),
+                "async/rejected_response_len_p50": quantile(rej_lens, 0.5),
+                "async/rejected_response_len_p90": quantile(rej_lens, 0.9),
             })
         return m
-
-
-def _quantile(values: list[int], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])

@@ -20,10 +20,10 @@ from miles_core.session.history import RunHistory
 from miles_core.memory import release_freed_memory
 from miles_core.session.parts import (
     EngineLoop,
+    LentWeights,
     built_once,
     eval_prompts,
     is_built,
-    LentWeights,
     setup_policy_engine,
     weights_uri,
 )

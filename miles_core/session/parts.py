@@ -6,7 +6,8 @@
   use), so an engine's locks and events always live on one loop, whichever thread calls.
 - ``built_once``: a lazily built part, built by one thread while racing threads wait.
 - ``setup_policy_engine``: an engine for the run's policy (its LoRA adapter of it, with LoRA), on
-  the trainer's own weights where it can (``LentWeights``, ``trainer_weights``); ``load_weights``: a version into an engine.
+  the trainer's own weights where it can (``LentWeights``, ``trainer_weights``); ``load_weights``: a
+  version into an engine.
 - ``prompt_rows`` / ``render`` / ``eval_prompts``: prompt rows of a dataset, rendered and tokenized.
 """
 
@@ -132,12 +133,10 @@ class LentWeights:
     steps only between rollouts); None: weights that never change (a LoRA base)."""
 
 
-def can_lend_weights(engine_cfg, backend) -> bool:
-    """Whether an engine of ``engine_cfg`` may generate with the weights of a model trained by
-    ``backend`` (a ``train.backend``): an in-process engine that allows it, on the device of a
-    one-process torch trainer (DeepSpeed moves weights into buffers of its own)."""
-    return (isinstance(engine_cfg, HFEngineConfig) and engine_cfg.share_trainer_weights
-            and isinstance(backend, TorchTrainerConfig) and engine_cfg.device == backend.device)
+def can_lend_weights(engine_cfg, device: str) -> bool:
+    """Whether an engine of ``engine_cfg`` may generate with the weights of a model on ``device`` in
+    this process: an in-process engine that allows it (``share_trainer_weights``), on that device."""
+    return isinstance(engine_cfg, HFEngineConfig) and engine_cfg.share_trainer_weights and engine_cfg.device == device
 
 
 def trainer_weights(cfg: RunConfig, engine_cfg, trainer: Callable[[], Any], rollout: bool) -> LentWeights | None:
@@ -146,7 +145,9 @@ def trainer_weights(cfg: RunConfig, engine_cfg, trainer: Callable[[], Any], roll
     sync run's weights for its rollout engine (``rollout``), which generates only between steps and
     follows the trainer's versions. None: the engine keeps a copy of its own. (A multi-LoRA run lends
     its adapter bank's base instead: ``MultiLoraRun``.)"""
-    if cfg.multi_lora is not None or not can_lend_weights(engine_cfg, cfg.train.backend):
+    backend = cfg.train.backend  # the one-process torch trainer: DeepSpeed moves weights into buffers of its own
+    if cfg.multi_lora is not None or not isinstance(backend, TorchTrainerConfig) \
+            or not can_lend_weights(engine_cfg, backend.device):
         return None
     if cfg.lora is not None:
         return LentWeights(lambda: trainer().model)

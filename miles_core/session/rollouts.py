@@ -55,8 +55,9 @@ class RolloutSide:
         """The policy's engine; a rebuilt side loads the newest published weights (one on a sync run's
         trainer's weights has the trainer's)."""
         engine = setup_policy_engine(self.cfg, self.refs, lent=self.lent)
+        follows_trainer = self.lent is not None and self.lent.version is not None
         latest = self.files.weights.latest()
-        if latest is not None and not (self.lent is not None and self.lent.version is not None):
+        if latest is not None and not follows_trainer:
             self.loop.run(engine.update_weights(self.files.weights.uri(latest), latest))
         return engine
 

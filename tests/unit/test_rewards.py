@@ -448,7 +448,7 @@ def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
 
     groups = [Group([Sample("p", [1], [2], "pathological" if g == i == 0 else f"So \\boxed{{{g + i}}}.",
                             label=str(g + i), group_index=g, sample_index=i) for i in range(8)]) for g in range(8)]
-    stats = asyncio.run(score_groups(fn, groups, timeout_s=30))
+    stats = asyncio.run(score_groups(fn, groups, timeout_s=120))  # a busy machine starts the workers slowly
     assert (stats.scored, stats.failed) == (63, 1)
     assert "WorkerTimeout" in groups[0].samples[0].error
     assert all(s.reward == 1.0 for g in groups for s in g.samples if s.response != "pathological")

@@ -69,12 +69,7 @@ def test_a_lora_runs_engines_share_the_frozen_base_and_load_adapters_by_name(tin
     shared = HFEngine(str(tiny_model_dir), HFEngineConfig())
     shared.share_weights(trainer.model)  # a PEFT model lends its base
     assert _storages(shared.model) <= _storages(trainer.model)
-    own = HFEngine(str(tiny_model_dir), HFEngineConfig())
-    trainer.step(make_batch(REWARDS_A))
-    folder = trainer.export(trainer.version)
-    for engine in (shared, own):
-        asyncio.run(engine.load_adapter("policy", folder, trainer.version))
-    _same_results(_generate(shared, "policy"), _generate(own, "policy"))
+    own = _adapter_after_a_step(tiny_model_dir, trainer, shared, "policy")
     _same_results(_generate(shared), _generate(own))  # the base itself is the starting model
     base = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(RuntimeError, match="frozen base it shares"):  # base weights would land in the trainer's
@@ -90,12 +85,19 @@ def test_a_multi_lora_runs_engines_share_the_adapter_banks_base(tiny_model_dir, 
     shared = HFEngine(str(tiny_model_dir), HFEngineConfig())
     shared.share_weights(bank.model)  # its LoRA layers keep the wrapped layer as ``base``
     assert _storages(shared.model) <= _storages(bank.model)
-    own = HFEngine(str(tiny_model_dir), HFEngineConfig())
+    _adapter_after_a_step(tiny_model_dir, trainer, shared, "a0")
+
+
+def _adapter_after_a_step(model_dir, trainer, shared: HFEngine, name: str) -> HFEngine:
+    """One step of ``trainer``'s adapter, loaded as ``name`` into ``shared`` and into an engine with its
+    own copy of the base: both generate the same. Returns the latter."""
+    own = HFEngine(str(model_dir), HFEngineConfig())
     trainer.step(make_batch(REWARDS_A))
     folder = trainer.export(trainer.version)
     for engine in (shared, own):
-        asyncio.run(engine.load_adapter("a0", folder, trainer.version))
-    _same_results(_generate(shared, "a0"), _generate(own, "a0"))
+        asyncio.run(engine.load_adapter(name, folder, trainer.version))
+    _same_results(_generate(shared, name), _generate(own, name))
+    return own
 
 
 def test_a_model_that_does_not_match_is_refused_naming_the_weight(tiny_model_dir, tmp_path):

@@ -722,19 +722,23 @@ def test_rows_without_a_shared_prompt_take_the_plain_pass(tiny_model_dir, tmp_pa
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("setting", ["share_prompt_forward", "gradient_checkpointing"])
 @pytest.mark.parametrize("micro", [3, 8])
-def test_a_step_with_shared_prompts_equals_the_plain_step(tiny_model_dir, tmp_path, micro):
-    """The whole step (micro-batches cut with a prompt's samples side by side) gives the weights
-    and metrics of the plain step."""
-    shared, plain = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro, share_prompt_forward=share)
-                     for share in (True, False))
+def test_a_step_with_shared_prompts_or_checkpointing_equals_the_plain_step(tiny_model_dir, tmp_path, micro, setting):
+    """Each prompt run once per micro-batch (micro-batches cut with a prompt's samples side by side),
+    or each layer recomputed in the backward pass (the shared prompt pass then kept out of gradient
+    passes): the same metrics and weights as the plain step, over two steps."""
+    on, plain = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro, **{setting: value})
+                 for value in (True, False))  # checkpointing on or off, with the default shared prompt pass
+    checkpointed = [any(getattr(m, "gradient_checkpointing", False) for m in t.model.modules()) for t in (on, plain)]
+    assert checkpointed == [setting == "gradient_checkpointing", False]
     for rewards in (REWARDS_A, REWARDS_B):
-        m_shared, m_plain = shared.step(make_batch(rewards)), plain.step(make_batch(rewards))
+        m_on, m_plain = on.step(make_batch(rewards)), plain.step(make_batch(rewards))
         for k in ("loss", "pg_loss", "entropy", "grad_norm", "train_tokens"):
-            assert m_shared[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-7), k
+            assert m_on[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-7), k
     before = params(make_trainer(tiny_model_dir, tmp_path))
-    assert any(not torch.equal(v, before[k]) for k, v in params(shared).items())
-    assert_same_params(shared, plain, atol=1e-6)
+    assert any(not torch.equal(v, before[k]) for k, v in params(on).items())
+    assert_same_params(on, plain, atol=1e-6)
 
 
 def test_the_cache_argument_follows_the_installed_transformers(tiny_model_dir, tmp_path):
@@ -771,21 +775,3 @@ def test_a_step_with_dynamic_micro_batches_is_the_step_with_fixed_ones(tiny_mode
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     assert_same_params(fixed, dynamic, atol=1e-5)
 
-
-@pytest.mark.parametrize("micro", [3, 8])
-def test_a_step_with_gradient_checkpointing_equals_the_plain_step(tiny_model_dir, tmp_path, micro):
-    """Recomputing each layer in the backward pass changes the memory, never the update: the same
-    metrics and weights over two steps (the shared prompt pass is kept out of checkpointed passes)."""
-    ckpt, plain = (make_trainer(tiny_model_dir, tmp_path, micro_batch_size=micro, gradient_checkpointing=on)
-                   for on in (True, False))
-    def checkpointed(t):
-        return any(getattr(m, "gradient_checkpointing", False) for m in t.model.modules())
-
-    assert checkpointed(ckpt) and not checkpointed(plain)
-    for rewards in (REWARDS_A, REWARDS_B):
-        m_ckpt, m_plain = ckpt.step(make_batch(rewards)), plain.step(make_batch(rewards))
-        for k in ("loss", "pg_loss", "entropy", "grad_norm", "train_tokens"):
-            assert m_ckpt[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-7), k
-    before = params(make_trainer(tiny_model_dir, tmp_path))
-    assert any(not torch.equal(v, before[k]) for k, v in params(ckpt).items())
-    assert_same_params(ckpt, plain, atol=1e-6)
