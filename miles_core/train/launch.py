@@ -227,7 +227,7 @@ class LaunchedTrainer:
                     self._fail(wait_for_exit=False)
                     raise self._error(
                         f"timed out after {self.backend.startup_timeout_s:g} s waiting for trainer ranks "
-                        f"{sorted(pending)} to build their trainer", tail_ranks=sorted(pending)
+                        f"{sorted(pending)} of {self.num_processes} to build their trainer", tail_ranks=sorted(pending)
                     )
         return result
 
