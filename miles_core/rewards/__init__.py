@@ -20,6 +20,8 @@
   interrupted: its thread (a daemon) is left behind, and whatever it returns later is ignored; work
   that can take long belongs in a worker process (``rewards.isolated``, as the math reward's).
   ``RewardStats`` has each call's time (``reward_seconds_p50``/``_p99``/``_max`` in a step's metrics).
+  While scoring runs past ``SLOW_SCORING_LOG_S``, a warning says every so often how many calls
+  still run, so a slow reward service is visible before its deadline.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_ERRORS_KEPT = 5
 MAX_ERROR_CHARS = 500
+SLOW_SCORING_LOG_S = 15.0
+"""While scoring takes longer than this, say every this many seconds how many calls still run."""
 _SKIPPED = (SampleStatus.ABORTED, SampleStatus.FAILED)
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 log = logging.getLogger(__name__)
@@ -136,10 +140,17 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     per_group = getattr(fn, "per_group", False)
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
+    running = 0
+
     async def timed(call: Callable[[], Awaitable[None]]) -> None:
+        nonlocal running
         async with limit:
             t0 = time.perf_counter()
-            await call()
+            running += 1
+            try:
+                await call()
+            finally:
+                running -= 1
             stats.call_seconds.append(time.perf_counter() - t0)
 
     todo = []
@@ -155,7 +166,15 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
         else:
             score_one = _score_one_async if is_async else _score_one_in_thread
             calls += [timed(lambda s=s: score_one(fn, s, timeout_s)) for s in samples]
-    await asyncio.gather(*calls)
+    scoring = asyncio.ensure_future(asyncio.gather(*calls))
+    t0 = time.monotonic()
+    try:
+        while not (await asyncio.wait({scoring}, timeout=SLOW_SCORING_LOG_S))[0]:
+            log.warning("reward %s: %d of %d calls still running after %.0f s (each has %g s, "
+                        "rollout.reward_timeout_s)", _name(fn), running, len(calls), time.monotonic() - t0, timeout_s)
+    finally:
+        scoring.cancel()  # only if this wait was interrupted: it is done otherwise
+    scoring.result()
     for samples in todo:
         for s in samples:
             if s.status is SampleStatus.FAILED:
@@ -177,8 +196,11 @@ def _time_out(fn: Any, samples: list[Sample], timeout_s: float) -> None:
     for s in samples:
         _fail(s, RewardTimeout(timeout_s))
     where = ", ".join(f"group {s.group_index} sample {s.sample_index}" for s in samples[:3])
-    log.warning("reward %s timed out after %g s on %s (rollout.reward_timeout_s)",
-                getattr(fn, "__qualname__", type(fn).__name__), timeout_s, where)
+    log.warning("reward %s timed out after %g s on %s (rollout.reward_timeout_s)", _name(fn), timeout_s, where)
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 async def _score_one_in_thread(fn: Callable[[Sample], Any], sample: Sample, timeout_s: float) -> None:

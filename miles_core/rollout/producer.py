@@ -558,8 +558,8 @@ class RolloutProducer:
                 return
             self.stats.samples_finished += len(group.samples)
             self.stats.response_tokens += sum(len(s.response_ids) for s in group.samples)
-            self.stats.samples_failed += sum(s.status is SampleStatus.FAILED for s in group.samples)
             await self.reward([group])
+            self.stats.samples_failed += sum(s.status is SampleStatus.FAILED for s in group.samples)  # either way
             self.stats.groups_finished += 1
             dropped_by = self.filters.rejected_by(group)
             if dropped_by is not None:

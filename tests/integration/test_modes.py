@@ -6,8 +6,11 @@ hardly waits. The warm-started model is built once (about a minute) and cached l
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +122,61 @@ def test_fully_async_producer_failure_fails_the_run_with_its_error(prefect_backe
 
 def explode(groups):
     raise RuntimeError("reward post-process exploded")
+
+
+_HUNG = threading.Event()
+
+
+def hangs_once(sample) -> float:
+    """The toy reward, except that its third call (in each process) takes 4 s: past a 1 s deadline."""
+    from miles_core.rewards import toy
+
+    if not _HUNG.is_set() and next(_CALLS) == 2:
+        _HUNG.set()
+        time.sleep(4)
+    return toy(sample)
+
+
+_CALLS = itertools.count()
+
+
+def test_a_reward_that_times_out_once_in_a_fully_async_run_loses_nothing(prefect_backend, demo_model, tmp_path):
+    """The sample whose reward timed out is counted as failed; its prompt is trained or rejected,
+    never lost: the run completes and its end-of-run audit balances."""
+    from flows.train import train
+
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async", rollout={"num_rollout": 3, "reward": f"{__name__}:hangs_once",
+                                                                 "reward_timeout_s": 1.0},
+                   eval={"eval_interval": None, "num_prompts": 32})
+    cfg.eval.skip_eval_before_train = True
+    state = train(cfg, return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    audit = summary["audit"]
+    assert audit["ok"] and not audit["problems"], audit
+    beat = json.loads((Path(summary["run_dir"]) / "fleet" / "producers" / "p0.json").read_text())
+    assert beat["stats"]["samples_failed"] == 1, beat["stats"]
+
+
+def test_a_reward_that_never_returns_fails_a_fully_async_run_after_a_few_deadlines(prefect_backend, demo_model,
+                                                                                    tmp_path):
+    """The producer scores each group's samples side by side, each call timing out after 1 s; the
+    trainer's three steps in a row that train nothing fail the run, naming the timeout."""
+    from flows.train import train
+    from miles_core.session.training import SkippedSteps
+
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async",
+                   rollout={"num_rollout": 10, "rollout_batch_size": 4, "reward": "test_train_flow:never_returns",
+                            "reward_timeout_s": 1.0},
+                   eval={"eval_interval": None, "num_prompts": 32})
+    cfg.eval.skip_eval_before_train = True
+    started = time.monotonic()
+    state = train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(SkippedSteps, match=r"(?s)3 training steps in a row changed nothing.*step 1: 32 of 32 "
+                                           r"samples had no valid reward \(reward: RewardTimeout: timed out after 1 s"):
+        state.result()
+    assert time.monotonic() - started < 60, "a few deadlines, not one per sample"
 
 
 def test_extension_points_run_inside_the_flow(prefect_backend, demo_model, tmp_path):

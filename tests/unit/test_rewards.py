@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import logging
 import operator
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -425,6 +427,31 @@ def test_a_groups_samples_are_scored_side_by_side():
     groups = groups_of([f"#### {i}" for i in range(8)])
     stats = asyncio.run(score_groups(fn, groups, timeout_s=60))
     assert (stats.scored, stats.failed) == (8, 0)
+
+
+def test_slow_scoring_says_how_many_calls_still_run(monkeypatch):
+    """While calls run past ``SLOW_SCORING_LOG_S``, the wait is logged (a sync run shows no other
+    sign of life until the deadline); the slow call returns once it has been logged."""
+    import miles_core.rewards as rewards
+
+    monkeypatch.setattr(rewards, "SLOW_SCORING_LOG_S", 0.05)
+    messages: list[str] = []
+    logged = threading.Event()
+
+    def fn(s: Sample) -> float:
+        if s.sample_index == 0:
+            assert logged.wait(30), "the slow call was never logged"
+        return 1.0
+
+    handler = logging.Handler()
+    handler.emit = lambda record: (messages.append(record.getMessage()), logged.set())
+    logging.getLogger("miles_core.rewards").addHandler(handler)
+    try:
+        stats = asyncio.run(score_groups(fn, groups_of(["a", "b", "c"]), timeout_s=60))
+    finally:
+        logging.getLogger("miles_core.rewards").removeHandler(handler)
+    assert (stats.scored, stats.failed) == (3, 0)
+    assert re.match(r"reward .*fn: 1 of 3 calls still running after \d+ s \(each has 60 s", messages[0]), messages
 
 
 def test_work_past_its_deadline_in_a_worker_process_is_killed_and_the_next_call_gets_a_new_worker():
