@@ -10,7 +10,8 @@ process, and a slow one costs only its own call.
 
 Workers are new interpreters (``python -m miles_core.rewards.isolated``; not forked: this process
 has threads, and a forked child could inherit a held lock), started on first use; they stay for
-the next calls and are stopped when this process exits. ``fn`` must be importable by name (a
+the next calls and are stopped when this process exits (a worker whose parent was killed ends
+itself within a second). ``fn`` must be importable by name (a
 module-level function); its arguments, result and exceptions are pickled.
 """
 
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +33,8 @@ PRELOAD = ("math_verify",)
 """Modules a worker imports before it says it is ready (the math reward's)."""
 STARTUP_TIMEOUT_S = 120.0
 """How long a new worker may take to import them (seconds of a busy machine)."""
+PARENT_CHECK_S = 0.5
+"""How often a worker looks whether the process that started it is still there."""
 
 
 class WorkerTimeout(Exception):
@@ -158,6 +162,7 @@ def _serve() -> None:
     recv = Connection(os.dup(0), writable=False)
     send = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     import importlib
 
     for name in sys.argv[1:]:
@@ -179,6 +184,16 @@ def _serve() -> None:
             send.send(reply)
         except Exception as e:  # noqa: BLE001 (an unpicklable result or exception)
             send.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker once its parent is gone (killed with SIGKILL, it closes no pipe we would
+    notice while a call runs): a worker in the middle of a long call would otherwise go on alone.
+    Checked every ``PARENT_CHECK_S`` between the call's bytecodes (a C loop that holds the
+    interpreter lock delays it until it lets go)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
 
 
 if __name__ == "__main__":

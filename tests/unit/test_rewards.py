@@ -9,6 +9,8 @@ import logging
 import operator
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -463,6 +465,33 @@ def test_work_past_its_deadline_in_a_worker_process_is_killed_and_the_next_call_
     assert call(verify_answers, "\\frac12", "0.5", deadline_s=30) is True
     with pytest.raises(ZeroDivisionError):  # the function's own error comes back as it is
         call(operator.truediv, 1, 0, deadline_s=30)
+
+
+_ORPHANED_CALL = """
+import os, sys, threading, time
+from miles_core.rewards import isolated
+worker = isolated.call(os.getpid, deadline_s=120)  # the idle worker the next call reuses
+threading.Thread(target=isolated.call, args=(time.sleep, 600), kwargs={"deadline_s": 600}, daemon=True).start()
+print(worker, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_worker_whose_parent_is_killed_mid_call_ends_itself():
+    """SIGKILL closes no pipe the worker would notice while its call runs: it watches its parent."""
+    from miles_core.processes import alive
+
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHANED_CALL], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        assert alive(worker)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker), "the orphaned worker went on with its call"
 
 
 def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
