@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get(stopping.SUPERVISED):  # Ctrl-C reaches only the supervisor, which stops the run cleanly
             return stopping.supervise(sys.argv[1:] if argv is None else list(argv))
         stopping.install_stop_handlers()
+        stopping.follow_supervisor()
         try:
             _preflight(cfg)
         except (ValueError, FileNotFoundError) as e:

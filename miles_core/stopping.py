@@ -5,6 +5,8 @@
   not the Prefect server, engine servers or producers the run started. The first SIGINT or SIGTERM
   is passed on to the run (as SIGINT), which stops cleanly; a second one kills the run's whole
   session at once. Returns the exit code (130 after SIGINT, 143 after SIGTERM).
+- ``follow_supervisor()``: in the run's process, ends the run's session once that parent is gone
+  (SIGKILL of the ``miles`` command or its process group included): a run never outlives its command.
 - ``install_stop_handlers()``: in the run's process, SIGINT and SIGTERM ask for a stop instead of
   interrupting whatever runs (``stop_requested()`` turns true). Loops that can take long check it:
   the training flows between steps (``RunStopped``, after saving a checkpoint when the run has
@@ -22,7 +24,10 @@ import threading
 import time
 
 SUPERVISED = "MILES_SUPERVISED"
-"""Set in the run's process by ``supervise`` (it does not supervise itself again)."""
+"""Set in the run's process by ``supervise`` to its own pid (the run does not supervise itself
+again, and ``follow_supervisor`` watches that pid)."""
+SUPERVISOR_CHECK_S = 0.5
+"""How often the run's process looks whether its supervisor is still there."""
 
 _STOP = threading.Event()
 
@@ -56,11 +61,32 @@ def install_stop_handlers() -> None:
         signal.signal(sig, handler)
 
 
+def follow_supervisor() -> None:
+    """In a supervised run's process: once the ``miles`` command that supervises it is gone (killed,
+    even with SIGKILL, or its terminal closed), end the run's whole session at once: nothing is left
+    that a Ctrl-C could stop, and the run folder's lease is free for ``--run-id`` to resume it
+    (from its last checkpoint). Processes the run started in sessions of their own (engine servers,
+    producers) watch this process and end with it. Nothing to do in an unsupervised process (a
+    deployment's flow run)."""
+    supervisor = os.environ.get(SUPERVISED, "")
+    if not supervisor.isdigit() or os.getppid() != int(supervisor):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(supervisor):
+            time.sleep(SUPERVISOR_CHECK_S)
+        print(f"miles: the miles command that ran this run (pid {supervisor}) is gone; stopping the run and "
+              "everything it started (resume it with --run-id)", file=sys.stderr, flush=True)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="follow-supervisor", daemon=True).start()
+
+
 def supervise(argv: list[str], grace_s: float = 120.0) -> int:
     """Run ``python -m deployments.cli *argv`` in its own session, passing on the first Ctrl-C or
     SIGTERM and killing the session on the second (or when the run has not stopped ``grace_s``
     seconds after the first)."""
-    env = {**os.environ, SUPERVISED: "1"}
+    env = {**os.environ, SUPERVISED: str(os.getpid())}
     child = subprocess.Popen([sys.executable, "-m", "deployments.cli", *argv], env=env, start_new_session=True)
     received: list[int] = []
     first_at: list[float] = []

@@ -22,9 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _miles_train(tmp_path: Path, model_dir, *flags: str, command: str = "train",
-                 api_url: str | None = None) -> subprocess.Popen:
-    """``miles train`` (or ``command``) in a process of its own, its output in files (``out``/``err``
-    of tmp_path). Without ``api_url`` it has Prefect's ephemeral API, as a user's first run has."""
+                 api_url: str | None = None, own_group: bool = False) -> subprocess.Popen:
+    """``miles train`` (or ``command``) in a process of its own (``own_group``: leading a process
+    group of its own, as a terminal's job), its output in files (``out``/``err`` of tmp_path).
+    Without ``api_url`` it has Prefect's ephemeral API, as a user's first run has."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     if api_url:
@@ -35,7 +36,7 @@ def _miles_train(tmp_path: Path, model_dir, *flags: str, command: str = "train",
            "--storage-root", str(tmp_path / "runs"), *flags]
     n = len(list(tmp_path.glob("err-*")))
     out, err = open(tmp_path / f"out-{n}", "w"), open(tmp_path / f"err-{n}", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True, process_group=0 if own_group else None)
     proc.log = (tmp_path / f"out-{n}", tmp_path / f"err-{n}")
     return proc
 
@@ -183,3 +184,25 @@ def test_a_second_ctrl_c_stops_the_run_at_once(tiny_model_dir, tmp_path):
     assert seconds < 3, f"stopped after {seconds:.1f} s"
     assert not _left_in(session), _left_in(session)
 
+
+
+def test_a_run_ends_with_its_command_killed_with_sigkill_and_resumes_at_once(tiny_model_dir, tmp_path):
+    """kill -9 of the `miles` command's process group (a crashed terminal, a killed container step):
+    the run's own session ends within seconds, and `--run-id` resumes it right away."""
+    proc = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "2", "--run-id", "orphan", own_group=True)
+    session = _run_session(proc)
+    wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL  # the witness: the command is gone, the run's session was not hit
+    wait_for(lambda: not _left_in(session), 10, f"the run's session to end: {_left_in(session)}")
+    assert "the miles command that ran this run (pid " in _output(proc)[1], _output(proc)[1][-3000:]
+    done = _steps(tmp_path)
+    checkpoints = sorted(p.name for p in next((tmp_path / "runs").glob("*/orphan")).glob("checkpoints/step-*"))
+    assert checkpoints, "a checkpoint every 2 steps"
+
+    again = _miles_train(tmp_path, tiny_model_dir, "--save-interval", "2", "--num-rollout", str(done + 2),
+                         "--run-id", "orphan")
+    again.wait(timeout=300)
+    out, err = _output(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resuming run orphan from checkpoint at step {int(checkpoints[-1][5:])}" in out + err, (out + err)[-3000:]
