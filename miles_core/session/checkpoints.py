@@ -53,16 +53,15 @@ class Checkpointer:
         """Save the run after ``step`` steps, then prune; returns the checkpoint's folder.
         ``source_state``: the prompt cursor (None in a fully-async run, whose prompt log is its
         cursor); ``feed_state``: a fully-async run's feed."""
-        from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
+        from miles_core.storage.layout import TRAINER_STATE
 
         layout = self.files.layout
-        trainer.save(layout.checkpoint(step, TRAINER_STATE))
         state = {"step": step, "version": trainer.version, "data_source": source_state}
         if feed_state is not None:
             state["feed"] = feed_state
-        layout.write_json(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}", state)
+        folder = layout.write_checkpoint(step, lambda url: trainer.save(f"{url}/{TRAINER_STATE}"), state)
         layout.prune_checkpoints(self.cfg.checkpoint.keep_checkpoints)
-        return layout.checkpoint(step)
+        return folder
 
     def restore(self, trainer: Trainer, history: RunHistory) -> tuple[int, dict[str, Any]] | None:
         """Put the run's files and ``trainer`` back to the newest complete checkpoint; returns its step
@@ -81,19 +80,33 @@ class Checkpointer:
         A checkpoint that cannot be loaded (a truncated ``state.json`` or trainer state) is named in a
         warning and the next older one is used (``skipped`` lists them); when none loads, a
         RuntimeError lists each and why. RuntimeError too when the run has steps in
-        ``metrics.jsonl`` but no checkpoint (it cannot go on without redoing them over old data); a run
+        ``metrics.jsonl`` but no checkpoint (it cannot go on without redoing them over old data; the
+        message names the incomplete checkpoint folders it found); incomplete folders are deleted
+        otherwise (left by saves that did not finish). A run
         with neither (killed in its first step) starts again from the first prompt (``state/data_source.json``
         is removed);
         ValueError when the newest checkpoint is past ``num_rollout``."""
+        from miles_core.storage.layout import CHECKPOINTS
+
         layout = self.files.layout
         steps = layout.checkpoints()
+        incomplete = layout.incomplete_checkpoints()
+        if not steps and history.has_steps():
+            found = (f"; in {layout.url(CHECKPOINTS)} only incomplete checkpoint folders (saves that did not "
+                     f"finish): {', '.join(incomplete)}" if incomplete else "")
+            why = ("" if self.cfg.checkpoint.save_interval is None else
+                   f" (it saves one every {self.cfg.checkpoint.save_interval} steps: none was completed)")
+            raise RuntimeError(
+                f"run {self.refs.run_id} ({self.refs.run_dir}) already has training steps in metrics.jsonl but "
+                f"no checkpoint to resume from{why}{found}; use a new run id"
+                + (", and set checkpoint.save_interval (--save-interval N) to make a run resumable"
+                   if self.cfg.checkpoint.save_interval is None else "")
+            )
+        for name in incomplete:  # nothing else writes this run (its lease): what is there was left by a failed save
+            layout.remove_checkpoint_folder(name)
+            log.warning("removed checkpoint folder %s: incomplete (a save that did not finish)",
+                        layout.url(CHECKPOINTS, name))
         if not steps:
-            if history.has_steps():
-                raise RuntimeError(
-                    f"run {self.refs.run_id} ({self.refs.run_dir}) already has training steps in metrics.jsonl but "
-                    "no checkpoint to resume from; use a new run id, and set checkpoint.save_interval "
-                    "(--save-interval N) to make a run resumable"
-                )
             ledger.rewind(layout, 0)  # a step that was killed before its metrics row
             layout.remove(SOURCE_STATE)  # and the prompts its rollout drew: the restarted run draws them again
             return None

@@ -12,8 +12,11 @@
   metrics.jsonl  eval.jsonl  summary.json
 ```
 
-A checkpoint folder without ``state.json`` is incomplete (a save that did not finish) and is
-ignored: ``checkpoints()`` and ``latest_checkpoint()`` list complete ones only.
+``write_checkpoint`` makes a checkpoint visible whole (on local files it is written under a
+temporary name, ``checkpoints/.partial-step-<k>-<hex>/``, and renamed). A checkpoint folder
+without ``state.json`` is incomplete (a save that did not finish) and is ignored:
+``checkpoints()`` and ``latest_checkpoint()`` list complete ones only; ``incomplete_checkpoints()``
+names the others.
 ``prune_checkpoints(keep)`` deletes all but the newest ``keep`` complete checkpoints (the newest is
 never deleted), and the incomplete ones older than the newest complete one.
 
@@ -23,9 +26,13 @@ relative-path helpers below, so they agree with ``RunLayout`` without depending 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import secrets
+import shutil
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -33,6 +40,7 @@ from miles_core.storage.fs import (
     DEFAULT_RETRY,
     RetryPolicy,
     atomic_write,
+    is_local,
     join,
     list_names,
     open_fs,
@@ -45,6 +53,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_STATE = "state.json"
 TRAINER_STATE = "trainer.pt"
+PARTIAL_PREFIX = ".partial-"
+"""A checkpoint being written on local files: ``checkpoints/.partial-step-<k>-<hex>/``."""
 _CHECKPOINT_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -74,6 +84,23 @@ def checkpoint_dir(step: int) -> str:
 def _checkpoint_steps(folder_names) -> list[int]:
     """The steps of the names that are checkpoint folders (``step-<k>``), ascending."""
     return sorted(int(m.group(1)) for m in map(_CHECKPOINT_DIR.match, folder_names) if m)
+
+
+def _replace_folder(src: str, dst: str) -> None:
+    """Rename local folder ``src`` to ``dst``, replacing a folder there (moved aside, then deleted
+    once ``src`` is in place); the parent folder is synced so the rename survives a crash."""
+    old = None
+    if os.path.exists(dst):
+        old = f"{src}.replaced"
+        os.rename(dst, old)
+    os.rename(src, dst)
+    fd = os.open(os.path.dirname(dst), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def new_run_id() -> str:
@@ -138,6 +165,43 @@ class RunLayout:
         pattern = join(self.path, CHECKPOINTS, "step-*", CHECKPOINT_STATE)
         markers = self._call(lambda: self.fs.glob(pattern), CHECKPOINTS)
         return _checkpoint_steps(marker.rsplit("/", 2)[-2] for marker in markers)
+
+    def write_checkpoint(self, step: int, write: Callable[[str], Any], state: dict[str, Any]) -> str:
+        """Write checkpoint ``step`` whole or not at all: ``write(folder_url)`` writes the trainer's
+        files into a folder, then ``state.json`` (``state``) goes last; returns the folder's URL.
+
+        Local files: the folder is ``checkpoints/.partial-step-<k>-<hex>`` and is renamed into place
+        when complete, so a failed write (a full disk) leaves nothing named ``step-<k>``; a folder
+        already at that step (an incomplete one, or a damaged one being redone) is replaced. Object
+        stores have no folder rename: the final folder is written, ``state.json`` last, which is what
+        makes it complete. Either way a failed write's files are deleted as far as storage allows."""
+        final = join(self.path, checkpoint_dir(step))
+        local = is_local(self.fs)
+        folder = join(self.path, CHECKPOINTS, f"{PARTIAL_PREFIX}{checkpoint_dir(step).rsplit('/', 1)[-1]}-"
+                                              f"{secrets.token_hex(3)}") if local else final
+        try:
+            write(to_url(self.fs, folder))
+            self._call(lambda: atomic_write(self.fs, join(folder, CHECKPOINT_STATE),
+                                            json.dumps(state, indent=2, sort_keys=True).encode()), checkpoint_dir(step))
+            if local:
+                _replace_folder(folder, final)
+        except BaseException:
+            if local or not self.fs.exists(join(final, CHECKPOINT_STATE)):
+                with contextlib.suppress(Exception):  # the write's own error is the one to report
+                    self.fs.rm(folder, recursive=True)
+            raise
+        return to_url(self.fs, final)
+
+    def incomplete_checkpoints(self) -> list[str]:
+        """The folders under ``checkpoints/`` that are no complete checkpoint: ``step-<k>`` without
+        ``state.json`` and temporary ``.partial-*`` ones (each a save that did not finish), by name."""
+        names = self._call(lambda: list_names(self.fs, join(self.path, CHECKPOINTS)), CHECKPOINTS)
+        complete = {checkpoint_dir(step).rsplit("/", 1)[-1] for step in self.checkpoints()}
+        return sorted(n for n in names if (_CHECKPOINT_DIR.match(n) or n.startswith(PARTIAL_PREFIX)) and n not in complete)
+
+    def remove_checkpoint_folder(self, name: str) -> None:
+        """Delete the folder ``checkpoints/<name>`` (an incomplete one)."""
+        self._call(lambda: self.fs.rm(join(self.path, CHECKPOINTS, name), recursive=True), f"{CHECKPOINTS}/{name}")
 
     def latest_checkpoint(self) -> int | None:
         """The step of the newest complete checkpoint, or None when there is none."""

@@ -335,19 +335,25 @@ def test_a_run_with_steps_but_no_checkpoint_is_not_restarted(prefect_backend, ti
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-def test_a_full_disk_fails_the_run_naming_the_file_and_leaves_nothing_half_written(prefect_backend, tiny_model_dir,
-                                                                                    tmp_path):
+def test_a_full_disk_fails_the_run_naming_the_file_and_after_space_is_freed_it_resumes(prefect_backend, tiny_model_dir,
+                                                                                       tmp_path):
+    """A disk that fills in the middle of a run (checkpoints every step, all kept): the run fails
+    naming the file, leaves no temporary file and no incomplete checkpoint, and once there is space
+    again the same run id resumes from its last complete checkpoint and finishes."""
     import subprocess
 
     from flows.train import train
+    from miles_core.storage.layout import RunLayout
 
     small = tmp_path / "small-disk"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        cfg = _tiny_run(tmp_path, tiny_model_dir, storage={"root": str(small / "runs")}, eval={"eval_interval": None})
-        cfg.rollout.num_rollout = 500  # the 1 MB disk fills long before
+        cfg = _tiny_run(tmp_path, tiny_model_dir, storage={"root": str(small / "runs")}, eval={"eval_interval": None},
+                        checkpoint={"save_interval": 1, "keep_checkpoints": 1000})
+        cfg.rollout.num_rollout = 200  # the 8 MB disk fills long before
+        cfg.run_id = "full"
         state = train(cfg, return_state=True)
         assert state.is_failed(), state
         # a file written whole says its size; a streamed one (weight snapshots, checkpoints) cannot
@@ -355,5 +361,16 @@ def test_a_full_disk_fails_the_run_naming_the_file_and_leaves_nothing_half_writt
                                           r"left on device\); the disk is full: free space there, or move storage.root"):
             state.result()
         assert not [p for p in small.rglob("*") if ".tmp" in p.name], "a failed write leaves no temp file"
+        layout = RunLayout(str(small / "runs"), "flow-test", "full")
+        assert not layout.incomplete_checkpoints(), "a failed checkpoint leaves nothing a resume could take for one"
+        last = layout.latest_checkpoint()
+        assert last, "the disk held a checkpoint or more before it filled"
+
+        subprocess.run(["mount", "-o", "remount,size=512m", str(small)], check=True)  # space again
+        cfg.rollout.num_rollout = last + 2
+        state = train(cfg, return_state=True)
+        assert state.is_completed(), state
+        steps = [r["step"] for r in _jsonl(small / "runs" / "flow-test" / "full" / "metrics.jsonl")]
+        assert steps == list(range(1, last + 3))
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)

@@ -202,3 +202,52 @@ def test_a_run_killed_in_its_first_step_starts_again_from_the_first_prompts(tiny
         assert redone.source_state == first.source_state
     finally:
         again.close()
+
+
+def test_a_checkpoint_whose_write_fails_leaves_nothing_and_resume_uses_the_last_whole_one(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """A full disk in the middle of a save: no folder a resume could take for a checkpoint is left
+    (it was written under a temporary name); leftovers of a killed save are named and removed."""
+    import errno
+
+    cfg = _cfg(tiny_model_dir, str(tmp_path / "runs"))
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"save_interval": 1})})
+    refs = prepare_run(cfg, log=lambda *_: None)
+    first = RunSession(cfg, refs)
+    checkpoints = Path(first.layout.checkpoint(1)).parent
+    try:
+        for step in (1, 2):
+            r = first.rollouts.rollout(step - 1)
+            first.history.record(step, {"version": first.training.train(r).version})
+            if step == 1:
+                first.save_checkpoint(step, r.source_state)
+        trainer = first.training.trainer
+        real_save = trainer.save
+
+        def disk_full(uri: str) -> None:
+            real_save(uri)  # the trainer's file is written, then the disk fills
+            raise OSError(errno.ENOSPC, "No space left on device", uri)
+
+        monkeypatch.setattr(trainer, "save", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            first.save_checkpoint(2, r.source_state)
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001"], "the failed save left nothing"
+    finally:
+        first.close()
+    (checkpoints / "step-000003").mkdir()  # what a save killed mid-way on another storage leaves
+    (checkpoints / ".partial-step-000003-abcdef").mkdir()  # and one killed mid-way on local files
+
+    again = RunSession(cfg, refs)
+    try:
+        assert again.resume() == 1
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001"], "leftovers removed"
+    finally:
+        again.close()
+
+    for name in ("step-000001", "step-000004"):  # only incomplete ones now: the resume names them
+        (checkpoints / name).mkdir(exist_ok=True)
+    (checkpoints / "step-000001" / "state.json").unlink()
+    with pytest.raises(RuntimeError, match=r"no checkpoint to resume from \(it saves one every 1 steps: none was "
+                                           r"completed\); in \S+checkpoints only incomplete checkpoint folders \(saves "
+                                           r"that did not finish\): step-000001, step-000004; use a new run id$"):
+        RunSession(cfg, refs).resume()
