@@ -106,7 +106,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         counts = check_data(cfg, refs)
         log.info("prompts: %d for training, %d held out", counts["train_prompts"], counts["eval_prompts"])
         start = resume_run(cfg, refs) or 0
-        if start:
+        if start >= total:
+            log.info("run %s has done all %d of its steps (checkpoint at step %d): nothing left to train; "
+                     "raise --num-rollout to continue it", refs.run_id, total, start)
+        elif start:
             log.info("resuming run %s from checkpoint at step %d (steps %d to %d to go)", refs.run_id, start,
                      start + 1, total)
         live = LiveReport(cfg.name, artifact_key(cfg.name, refs.run_id), total, start, session.history,

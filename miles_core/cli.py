@@ -20,7 +20,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from miles_core.config import EVAL_INHERITS, MODE_TABLES, RunConfig, mode_table, upgrade_mode
 
@@ -358,12 +358,48 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     _check_file_flags(data)
     _check_backend_flags(data)
     _check_mode_flags(data, overrides)
-    cfg = RunConfig.model_validate_file_dict(data, source=args.config or "command line")
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"{_blame(e, args)}: invalid run config:\n{e}") from None
     if "miles:num_epoch" in vars(args):
         if "rollout.num_rollout" in overrides:
             raise SystemExit("--num-epoch and --num-rollout both set the run's length: give one of them")
         _set_epochs(cfg, vars(args)["miles:num_epoch"])
     return cfg
+
+
+def _blame(error: ValidationError, args: argparse.Namespace) -> str:
+    """Where the fields a validation error is about were set: the flags that set them (with their
+    values), else the config file (or the defaults)."""
+    flag_of = {path: flag for flag, path in FLAGS.items()}
+    given: dict[str, str] = {}
+    for key, value in vars(args).items():
+        path = key.removeprefix("switch:")
+        if path in flag_of and key != "set":
+            given[path] = flag_of[path] if key.startswith("switch:") else f"{flag_of[path]} {_shown(value)}"
+    for item in args.set:
+        given[item.partition("=")[0].strip()] = f"--set {item}"
+    blamed = []
+    for e in error.errors():
+        loc = [str(part) for part in e["loc"]]
+        hits = [shown for path, shown in given.items() if _names(path, loc) or path in e["msg"]]
+        blamed += hits or [args.config or "the defaults"]
+    return ", ".join(dict.fromkeys(blamed))
+
+
+def _names(path: str, loc: list[str]) -> bool:
+    """Whether a validation error at ``loc`` is about the field ``path`` (a tagged union puts its
+    tag in ``loc``: ``mode.fully_async.no_progress_s`` is ``mode.no_progress_s``)."""
+    parts = path.split(".")
+    if not loc or loc[0] != parts[0]:
+        return False
+    rest = iter(loc[1:])
+    return all(part in rest for part in parts[1:])
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _set_eval_prompt_data(data: dict[str, Any], values: list[str]) -> None:

@@ -3,7 +3,7 @@
 - ``supervise(argv)``: ``miles train`` runs the run itself as a child process in a session of its
   own (``python -m deployments.cli ...``), so a terminal's Ctrl-C reaches only this small parent,
   not the Prefect server, engine servers or producers the run started. The first SIGINT or SIGTERM
-  is passed on to the run (as SIGINT), which stops cleanly; a second one kills the run's whole
+  is passed on to the run (the same signal), which stops cleanly; a second one kills the run's whole
   session at once. Returns the exit code (130 after SIGINT, 143 after SIGTERM).
 - ``follow_supervisor()``: in the run's process, ends the run's session once that parent is gone
   (SIGKILL of the ``miles`` command or its process group included): a run never outlives its command.
@@ -97,7 +97,7 @@ def supervise(argv: list[str], grace_s: float = 120.0) -> int:
             first_at.append(time.monotonic())
             print(f"miles: {signal.Signals(signum).name}: the run stops after the step in progress "
                   "(press Ctrl-C again to stop it at once)", file=sys.stderr, flush=True)
-            _signal(child, signal.SIGINT)
+            _signal(child, signum)
         else:
             print("miles: stopping the run at once", file=sys.stderr, flush=True)
             _kill_session(child)

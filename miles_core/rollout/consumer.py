@@ -176,7 +176,7 @@ class GroupFeed:
             self.producer_check()
             if self._ended():
                 raise ProducerEnded(
-                    f"the rollout producer closed {self.stream.uri} after offset {self._positions()}; "
+                    f"the rollout producer closed {self._where()} after offset {self._positions()}; "
                     f"the trainer still needs {n - len(groups)} of {n} groups for this step"
                 )
             t_wait = time.monotonic()
@@ -187,7 +187,7 @@ class GroupFeed:
                 warned_at = time.monotonic()
                 self.warn(
                     f"trainer has waited {time.monotonic() - t0:.0f} s for rollout data "
-                    f"({len(groups)}/{n} groups; read up to {self._positions()} of {self.stream.uri})"
+                    f"({len(groups)}/{n} groups; read up to {self._positions()} of {self._where()})"
                 )
         self._handed_out += groups
         groups.sort(key=lambda g: g.group_index)
@@ -230,6 +230,11 @@ class GroupFeed:
         if stream.producer not in self.readers:
             self.readers[stream.producer] = stream.reader(self.reader_name)
         return self.readers[stream.producer]
+
+    def _where(self) -> str:
+        """Where this feed reads: its stream, or (a fleet's) the folder of its producers' streams,
+        whose names ``_positions`` gives."""
+        return self.stream.uri if self.streams is None else self.stream.uri.rsplit("/", 1)[0]
 
     def _positions(self) -> str:
         return ", ".join(f"{name} offset {r.position}" for name, r in sorted(self.readers.items())) or "nothing"

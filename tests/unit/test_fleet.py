@@ -283,6 +283,11 @@ def test_a_fenced_stream_is_read_up_to_its_fence_only(tmp_path):
     more = feed.next_batch(1, 0, stop=lambda: polls.append(1) or len(polls) > 5)
     assert more.groups == [] and len(polls) > 5, "offset 1 is past the fence: never read"
 
+    warned: list[str] = []
+    feed.warn, feed.cfg = warned.append, FullyAsyncMode(no_progress_s=0.001)
+    feed.next_batch(1, 0, stop=lambda: bool(warned))
+    assert warned[0].endswith(f"read up to rollout-p0 offset 1 of {run_dir}/samples)"), warned[0]
+
 
 # ------------------------------------------------------------------------- resume: nothing twice
 

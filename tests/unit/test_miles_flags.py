@@ -129,3 +129,20 @@ def test_num_epoch_sets_the_runs_length_from_the_datasets_prompts(tmp_path, caps
         _cfg("--num-epoch", "1", "--num-rollout", "5")
     with pytest.raises(SystemExit, match="less than one rollout batch of 32"):
         _cfg("--prompt-data", str(data), "--num-epoch", "1")
+
+
+def test_an_invalid_value_is_blamed_on_where_it_was_set(tmp_path):
+    """A bad flag is named as the flag, not as an error in the config file beside it."""
+    config = tmp_path / "run.toml"
+    config.write_text("[rollout]\nrollout_batch_size = 4\nn_samples_per_prompt = 2\n")
+    with pytest.raises(ValueError, match=r"^--n-samples-per-prompt 0: invalid run config:\n(?s:.*)rollout.n_samples_per_prompt"):
+        _cfg("--config", str(config), "--n-samples-per-prompt", "0")
+    with pytest.raises(ValueError, match=r"^--global-batch-size 7: invalid run config:"):
+        _cfg("--config", str(config), "--global-batch-size", "7")
+    with pytest.raises(ValueError, match=r"^--set rollout.n_samples_per_prompt=0: invalid run config:"):
+        _cfg("--config", str(config), "--set", "rollout.n_samples_per_prompt=0")
+    with pytest.raises(ValueError, match=r"^--no-progress-seconds 0.0: invalid run config:"):
+        _cfg("--fully-async", "--no-progress-seconds", "0")
+    config.write_text("[rollout]\nrollout_batch_size = 0\n")
+    with pytest.raises(ValueError, match=rf"^{config}: invalid run config:"):
+        _cfg("--config", str(config), "--n-samples-per-prompt", "2")
