@@ -38,7 +38,7 @@ from miles_core.ledger import audit_at_end, audit_line, raise_if_unbalanced
 from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
 from miles_core.report import curves_png, data_url, reward_points, run_curves
 from miles_core.run import RunRefs, checkpoint_due
-from miles_core.stopping import RunStopped, stop_requested
+from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.multi_lora import (
     check_data,
     evaluate_adapter,
@@ -69,12 +69,12 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
                       cfg.tracking.live_every_s)
     for step in range(start, total):
         if stop_requested():  # Ctrl-C or SIGTERM of `miles train-multi-lora`
-            raise _stopped(cfg, refs, name, step)
+            return cancelled(_stopped(cfg, refs, name, step))
         t0 = time.perf_counter()
         try:
             ref = train_adapter(c, refs, name, step)
         except RunStopped:  # asked to stop while waiting for data: the groups it read stay for a resumed run
-            raise _stopped(cfg, refs, name, step) from None
+            return cancelled(_stopped(cfg, refs, name, step))
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
         if _eval_due(cfg, step):
             row["eval_accuracy"] = evaluate_adapter(c, refs, name, step + 1)["accuracy"]
@@ -131,8 +131,8 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
             finally:  # the producer stops before the run's slots go
                 run.stop_producer()
                 producer.wait(timeout=120)
-        if stop_requested():
-            raise _run_stopped(cfg, refs, run)
+        if stop_requested():  # asked to stop: Cancelled, with where each adapter can resume from
+            return cancelled(_run_stopped(cfg, refs, run))
         run.check_producer()  # a dead producer fails the run with its own error
         summary = _summary(cfg, refs, run, before, time.perf_counter() - t_start)
         summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)

@@ -46,7 +46,7 @@ from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
 from miles_core.ledger import audit_at_end, audit_line, raise_if_unbalanced
 from miles_core.run import RolloutRef, RunRefs, TrainRef, check_lease, checkpoint_due, close_session, get_session
-from miles_core.stopping import RunStopped, stop_requested
+from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
 from tasks.train import (
@@ -146,6 +146,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         _publish_artifacts(cfg, summary, session, live)
         raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary
+    except RunStopped as stop:  # asked to stop: Cancelled, with where it can resume from
+        return cancelled(stop)
     finally:
         close_session(refs)
 

@@ -3,14 +3,14 @@
 - ``supervise(argv)``: ``miles train`` runs the run itself as a child process in a session of its
   own (``python -m deployments.cli ...``), so a terminal's Ctrl-C reaches only this small parent,
   not the Prefect server, engine servers or producers the run started. The first SIGINT or SIGTERM
-  is passed on to the run (the same signal), which stops cleanly; a second one kills the run's whole
+  is passed on to the run (as SIGINT: a flow run's SIGTERM belongs to Prefect), which stops cleanly; a second one kills the run's whole
   session at once. Returns the exit code (130 after SIGINT, 143 after SIGTERM).
 - ``follow_supervisor()``: in the run's process, ends the run's session once that parent is gone
   (SIGKILL of the ``miles`` command or its process group included): a run never outlives its command.
 - ``install_stop_handlers()``: in the run's process, SIGINT and SIGTERM ask for a stop instead of
   interrupting whatever runs (``stop_requested()`` turns true). Loops that can take long check it:
   the training flows between steps (``RunStopped``, after saving a checkpoint when the run has
-  ``--save-interval``), the fully-async trainer while it waits for data, and the tiny model's warm
+  ``--save-interval``; the flow run ends Cancelled, ``cancelled(stop)``), the fully-async trainer while it waits for data, and the tiny model's warm
   start.
 """
 
@@ -40,6 +40,14 @@ class RunStopped(RuntimeError):
         self.run_id, self.checkpoint_step = run_id, checkpoint_step
 
 
+def cancelled(stop: RunStopped):
+    """The Prefect state a flow that stopped as asked returns: Cancelled, with the stop's message
+    (which says where its checkpoint is); calling the flow raises ``stop`` itself."""
+    from prefect.states import Cancelled
+
+    return Cancelled(message=str(stop), data=stop)
+
+
 def stop_requested() -> bool:
     return _STOP.is_set()
 
@@ -51,8 +59,10 @@ def request_stop() -> None:
 def install_stop_handlers() -> None:
     """SIGINT and SIGTERM ask this process's run to stop after the step in progress (main thread only)."""
 
+    supervised = bool(os.environ.get(SUPERVISED))  # the supervisor has said which signal it received
+
     def handler(signum, frame) -> None:
-        if not _STOP.is_set():
+        if not _STOP.is_set() and not supervised:
             print(f"miles: {signal.Signals(signum).name}: stopping after the step in progress", file=sys.stderr,
                   flush=True)
         _STOP.set()
@@ -97,7 +107,7 @@ def supervise(argv: list[str], grace_s: float = 120.0) -> int:
             first_at.append(time.monotonic())
             print(f"miles: {signal.Signals(signum).name}: the run stops after the step in progress "
                   "(press Ctrl-C again to stop it at once)", file=sys.stderr, flush=True)
-            _signal(child, signum)
+            _signal(child, signal.SIGINT)  # not SIGTERM: Prefect's flow engine takes that one over
         else:
             print("miles: stopping the run at once", file=sys.stderr, flush=True)
             _kill_session(child)

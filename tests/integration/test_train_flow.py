@@ -319,6 +319,29 @@ def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_d
     assert audit["counts"]["discarded (a step redone after a resume)"] == 4
 
 
+def test_a_stop_that_was_asked_for_ends_cancelled_with_its_checkpoint(prefect_backend, tiny_model_dir, tmp_path):
+    """A stop asked for (Ctrl-C, SIGTERM: ``request_stop``) ends the flow run Cancelled, not Failed;
+    calling the flow raises the stop, which says where the run resumes from."""
+    from prefect.client.orchestration import get_client
+
+    from flows.train import train
+    from miles_core import stopping
+
+    cfg = _tiny_run(tmp_path, tiny_model_dir, checkpoint={"save_interval": 100}, eval={"eval_interval": None})
+    stopping.request_stop()  # as the signal handler does: the run stops after the step in progress
+    try:
+        state = train(cfg, return_state=True)
+    finally:
+        stopping._STOP.clear()
+    assert state.is_cancelled(), state
+    assert "stopped after step 1 of 3, as asked; checkpoint at step 1" in state.message, state.message
+    with pytest.raises(stopping.RunStopped) as stop:
+        state.result()
+    assert stop.value.checkpoint_step == 1
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(state.state_details.flow_run_id).state.is_cancelled()
+
+
 def test_a_run_with_steps_but_no_checkpoint_is_not_restarted(prefect_backend, tiny_model_dir, tmp_path):
     from flows.train import train
 
