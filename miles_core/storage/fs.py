@@ -282,6 +282,34 @@ _TRANSIENT_NAMES = {
 }
 
 
+class BucketMissingError(FileNotFoundError):
+    """The object store answered that the run's bucket does not exist."""
+
+
+def _is_missing_bucket(error: BaseException) -> bool:
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "NoSuchBucket":
+            return True
+        if isinstance(e, FileNotFoundError) and "bucket does not exist" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _bucket_missing(what: str, fs: fsspec.AbstractFileSystem, error: BaseException) -> BucketMissingError:
+    """The error for a bucket that is gone: which bucket, on which endpoint, at which object."""
+    bucket = what.removeprefix("s3://").removeprefix("s3a://").split("/", 1)[0]
+    return BucketMissingError(
+        errno.ENOENT,
+        f"{what}: bucket {bucket!r} does not exist on storage endpoint {endpoint_name(fs)} (the store said: "
+        f"{error}); it was deleted, or the endpoint restarted without its data. Check storage.root and the "
+        f"endpoint (storage.storage_options.endpoint_url); a run whose bucket is gone cannot resume from it")
+
+
 def is_transient(error: BaseException, policy: RetryPolicy = DEFAULT_RETRY) -> bool:
     """True for errors worth retrying: the endpoint was unreachable, slow or failing (5xx)."""
     seen: set[int] = set()
@@ -325,6 +353,8 @@ def with_retries(
             return fn()
         except Exception as e:
             if not is_transient(e, policy):
+                if is_s3(fs) and _is_missing_bucket(e):
+                    raise _bucket_missing(what, fs, e) from e
                 raise
             delay = next(delays, None)
             elapsed = time.monotonic() - start

@@ -193,3 +193,51 @@ def test_a_fully_async_run_survives_an_s3_outage_longer_than_a_request_retry(pre
     assert [json.loads(line)["step"] for line in direct.cat_file(metrics).decode().splitlines()] == list(range(1, 13))
     audit = state.result()["audit"]  # read back through the endpoint: every prompt trained once or accounted for
     assert audit["ok"] and audit["counts"]["trained"] == 12 * 4 and audit["token_balance"] == 0, audit
+
+
+def test_a_bucket_gone_mid_run_fails_naming_the_bucket_the_endpoint_and_the_object(prefect_backend, tiny_model_dir,
+                                                                                  restartable_s3):
+    """The endpoint restarts without its data (moto keeps none) while a run writes to it: the run
+    fails at once, naming the bucket, the endpoint and the object it was at, and what to check."""
+    from flows.train import train
+    from miles_core.config import RunConfig
+
+    s3 = restartable_s3
+    bucket = s3.make_bucket("gone-bkt")
+    cfg = RunConfig.model_validate({
+        "name": "gone", "run_id": "gone", "model": {"path": str(tiny_model_dir)},
+        "data": {"type": "toy", "num_prompts": 512},
+        "rollout": {"num_rollout": 300, "rollout_batch_size": 4, "n_samples_per_prompt": 2,
+                    "rollout_max_response_len": 3},
+        "train": {"global_batch_size": 8, "micro_batch_size": 8},
+        "eval": {"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True},
+        "storage": {"root": f"{bucket}/runs", "storage_options": s3.storage_options},
+    })
+    import s3fs
+
+    direct = s3fs.S3FileSystem(**s3.storage_options)
+    metrics = "gone-bkt/runs/gone/gone/metrics.jsonl"
+    witness: dict[str, int] = {}
+
+    def wipe():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            direct.invalidate_cache()
+            if direct.exists(metrics) and len(direct.cat_file(metrics).splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        witness["steps"] = len(direct.cat_file(metrics).splitlines())
+        s3.restart()
+
+    wiper = threading.Thread(target=wipe, daemon=True)
+    wiper.start()
+    started = time.monotonic()
+    state = train(cfg, return_state=True)
+    wiper.join(timeout=30)
+    assert witness["steps"] >= 2 and state.is_failed(), (witness, state)
+    with pytest.raises(FileNotFoundError) as info:
+        state.result()
+    message = str(info.value)
+    assert "bucket 'gone-bkt' does not exist on storage endpoint " + s3.endpoint in message, message
+    assert "s3://gone-bkt/runs/gone/gone/" in message and "restarted without its data" in message, message
+    assert time.monotonic() - started < 120
