@@ -51,7 +51,9 @@ def _build_sglang(cfg: SGLangEngineConfig, model_dir: str, dtype: str, seed: int
     from miles_core.engines.server import LocalEngineServer
 
     server = LocalEngineServer(str(model_dir), cfg, dtype=dtype, seed=seed, storage_options=storage_options).start()
-    return SGLangEngine(server.url, cfg, server=server)
+    engine = SGLangEngine(server.url, cfg, server=server)
+    engine.storage_options = dict(storage_options or {})  # the snapshots it loads: their sizes size its deadlines
+    return engine
 
 
 def _build_vllm(cfg: VLLMEngineConfig, model_dir: str, dtype: str, seed: int, storage_options, lora: bool = False,

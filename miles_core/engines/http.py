@@ -32,6 +32,14 @@ from miles_core.loop import LoopThread
 CONTROL_TIMEOUT_S = 60.0
 """Timeout of the control endpoints (a pause waits for the running batch on a CPU server, hence
 not a few seconds)."""
+PUSH_MIN_BYTES_PER_S = 20e6
+"""A weight push's deadline is ``CONTROL_TIMEOUT_S`` plus its snapshot's size at this rate (a slow
+disk read and load on a busy CPU machine), at most ``request_timeout_s``."""
+CONTROL_ATTEMPTS = 3
+"""A control call the server can take twice (a weight push of a given version, an adapter load) is
+sent again after no answer: a server frozen and back again resets the connection it was on."""
+CONTROL_RETRY_DELAY_S = 1.0
+"""Wait before attempt k + 1 of such a call: k times this."""
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -101,14 +109,16 @@ class HealthWatch:
     again every ``warn_s``); after ``timeout_s``, every pending request fails with
     ``EngineUnreachable`` naming them, instead of waiting out the request timeout. While a
     control call that may legitimately hold the server (a weight update, a pause, an adapter
-    load: ``exempt``, the paths of such calls) is pending, the server counts as alive; those calls
-    have their own timeout."""
+    load: ``exempt``, the paths of such calls) is pending, the server counts as alive (those calls
+    have their own deadline), and a warning names the call every ``warn_s`` it goes unanswered."""
 
     def __init__(self, url: str, transport: Transport, warn_s: float, timeout_s: float,
                  warn=log.warning, clock=time.monotonic, exempt: tuple[str, ...] = ()) -> None:
         self.url, self.transport, self.exempt = url, transport, exempt
         self.warn_s, self.timeout_s = warn_s, timeout_s
-        self.probe_s = max(0.05, min(25.0, timeout_s / 4))
+        self.probe_s = max(0.05, min(10.0, warn_s / 3, timeout_s / 4))
+        """How often ``/health`` is probed while requests wait: a silent server is named within
+        ``warn_s`` plus this."""
         self.warn, self.clock = warn, clock
         self._pending: dict[asyncio.Task, tuple[str, float]] = {}
         self._life = clock()
@@ -156,8 +166,14 @@ class HealthWatch:
             await asyncio.sleep(self.probe_s)
             if not self._pending:
                 return
-            if any(path in self.exempt for path, _ in self._pending.values()):
-                self._life, warned_at = self.clock(), None
+            busy = [(path, self.clock() - t) for path, t in self._pending.values() if path in self.exempt]
+            if busy:  # a control call may hold the server: no deadline here (the call has its own), but say so
+                path, waited = max(busy, key=lambda b: b[1])
+                self._life = self.clock()
+                if waited >= self.warn_s and (warned_at is None or self.clock() - warned_at >= self.warn_s):
+                    warned_at = self.clock()
+                    self.warn(f"the engine server at {self.url} has not answered {path} for {waited:.0f} s; "
+                              f"{self.describe()}")
                 continue
             try:
                 status, _ = await asyncio.wait_for(self.transport.request("GET", f"{self.url}/health", None,
@@ -226,6 +242,8 @@ class HTTPEngine:
         self._closed = False
         self._watch = HealthWatch(self.url, self._transport, cfg.health_warn_s, cfg.health_timeout_s, exempt=exempt)
         """The health deadline of requests to the server (used on ``self._io``'s loop only)."""
+        self.storage_options: dict[str, Any] = {}
+        """fsspec options of the store weight URIs point into, when this process may read it."""
 
     async def health(self) -> bool:
         """Whether ``/health`` answers 200 (False when it answers otherwise or not at all)."""
@@ -263,6 +281,37 @@ class HTTPEngine:
         """POST ``body`` as JSON (``path`` may carry a query); the decoded JSON reply (None when the
         reply is not JSON)."""
         return await self._call("POST", path, body, timeout)
+
+    async def _post_again_if_cut(self, path: str, body: dict[str, Any], timeout: float) -> Any:
+        """``_post`` of a call the server can take twice, sent again (up to ``CONTROL_ATTEMPTS``
+        times, each with ``timeout``) when no answer came: a server that froze and came back resets
+        the connection the call was on. The last failure names the URL and every attempt."""
+        failures = []
+        for attempt in range(1, CONTROL_ATTEMPTS + 1):
+            try:
+                return await self._post(path, body, timeout=timeout)
+            except EngineUnreachable as e:
+                failures.append(str(e))
+                if attempt == CONTROL_ATTEMPTS:
+                    break
+                log.warning("%s%s: no answer (%s); sending it again (attempt %d of %d)", self.url, path, e,
+                            attempt + 1, CONTROL_ATTEMPTS)
+                await asyncio.sleep(CONTROL_RETRY_DELAY_S * attempt)
+        raise EngineUnreachable(f"{self.url}{path}: no answer in {CONTROL_ATTEMPTS} attempts of up to {timeout:g} s "
+                                f"each: " + "; ".join(failures))
+
+    def push_timeout_s(self, uri: str) -> float:
+        """The deadline of a weight push of the snapshot at ``uri``: ``CONTROL_TIMEOUT_S`` plus its
+        size at ``PUSH_MIN_BYTES_PER_S``, at most ``request_timeout_s`` (which it is when this
+        process cannot see the snapshot's size)."""
+        import fsspec
+
+        try:
+            fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
+            size = fs.du(path) if fs.isdir(path) else fs.size(path)
+        except Exception:  # noqa: BLE001 (another machine's path, no credentials here: the configured bound)
+            return self.cfg.request_timeout_s
+        return min(self.cfg.request_timeout_s, CONTROL_TIMEOUT_S + size / PUSH_MIN_BYTES_PER_S)
 
     async def _get(self, path: str, timeout: float = CONTROL_TIMEOUT_S) -> Any:
         return await self._call("GET", path, None, timeout)

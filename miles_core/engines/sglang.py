@@ -148,9 +148,12 @@ class SGLangEngine(HTTPEngine):
 
     async def update_weights(self, uri: str, version: int) -> None:
         """``/update_weights_from_disk`` with ``model_path = uri``: the server loads once its
-        in-flight requests are done (right away when paused) and reports ``version`` from then on."""
+        in-flight requests are done (right away when paused) and reports ``version`` from then on.
+        Its deadline is sized to the snapshot (``push_timeout_s``), and a call cut off (a server
+        frozen and back) is sent again: loading the same version twice is harmless."""
         body = {"model_path": uri, "weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
-        reply = await self._post("/update_weights_from_disk", body, timeout=self.cfg.request_timeout_s)
+        timeout = await asyncio.to_thread(self.push_timeout_s, uri)
+        reply = await self._post_again_if_cut("/update_weights_from_disk", body, timeout)
         if isinstance(reply, dict) and reply.get("success") is False:  # an error status raised already
             raise EngineHTTPError(f"{self.url}/update_weights_from_disk", 200, str(reply.get("message")))
         self._version = version
@@ -159,7 +162,8 @@ class SGLangEngine(HTTPEngine):
         """``/load_lora_adapter``: requests with ``adapter=name`` then use it. SGLang has no adapter
         versions, so this client stamps results of ``name`` with ``version`` from then on (a request
         in flight while the adapter is replaced may carry the new version)."""
-        reply = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": uri})
+        reply = await self._post_again_if_cut("/load_lora_adapter", {"lora_name": name, "lora_path": uri},
+                                              await asyncio.to_thread(self.push_timeout_s, uri))
         if isinstance(reply, dict) and reply.get("success") is False:
             raise EngineHTTPError(f"{self.url}/load_lora_adapter", 200, str(reply.get("error_message")))
         self._adapter_versions[name] = version

@@ -132,7 +132,7 @@ class VLLMEngine(HTTPEngine):
                 await self._post("/pause?mode=keep")
             try:
                 await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                                 timeout=self.cfg.request_timeout_s)
+                                 timeout=await asyncio.to_thread(self.push_timeout_s, uri))
                 reloaded = True
                 await self._post("/reset_prefix_cache")
                 await self._post("/update_weight_version", {"new_version": str(version)})

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from miles_core.types import Group, Sample, SampleStatus
+
+log = logging.getLogger(__name__)
 
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
@@ -153,12 +156,24 @@ async def generate_groups(
             params = sampling if seed is None else _with_seed(sampling, seed + k)
             requests.append(GenerateRequest(item.prompt_ids, params, rid=f"g{first_group_index + i}-s{j}"))
     submit_version = engine.weight_version
-    results = await engine.generate(requests)
+    results = await _generate(engine, requests)
     groups = []
     for i, item in enumerate(items):
         chunk = results[i * n_samples : (i + 1) * n_samples]
         groups.append(Group([_to_sample(item, r, first_group_index + i, j, submit_version) for j, r in enumerate(chunk)]))
     return groups
+
+
+async def _generate(engine: RolloutEngine, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    """``engine.generate(requests)``, sent once more when the engine did not answer (a server frozen
+    past ``engine.health_timeout_s`` that comes back is used again); a second silence ends the rollout."""
+    from miles_core.engines.http import EngineUnreachable
+
+    try:
+        return await engine.generate(requests)
+    except EngineUnreachable as e:
+        log.warning("the rollout's %d requests got no answer (%s); sending them once more", len(requests), e)
+    return await engine.generate(requests)
 
 
 async def _custom_groups(custom, engine, tokenizer, items, n_samples, sampling, first_group_index, seed):

@@ -234,3 +234,41 @@ def test_a_slow_reply_from_a_healthy_server_is_waited_for():
     _made.append(engine)
     [result] = asyncio.run(engine.generate([GenerateRequest([1])]))
     assert result.output_ids == [5]
+
+
+def test_a_weight_push_with_no_answer_is_sent_again_then_fails_naming_the_url(monkeypatch, tmp_path):
+    """A push cut off (a frozen server back again resets its connection) is sent again; three
+    silences fail it, naming the URL and each attempt. Its deadline is sized to the snapshot."""
+    import miles_core.engines.http as http
+
+    monkeypatch.setattr(http, "CONTROL_RETRY_DELAY_S", 0.0)
+    snapshot = tmp_path / "model.safetensors"
+    snapshot.write_bytes(b"\0" * 1000)
+    timeouts: list[float] = []
+    replies = iter([EngineUnreachable(f"{URL}/update_weights_from_disk: reset"), (200, {"success": True})])
+
+    def flaky(method, url, body):
+        reply = next(replies)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    class Timed(FakeTransport):
+        async def request(self, method, url, body, timeout):
+            timeouts.append(timeout)
+            return await super().request(method, url, body, timeout)
+
+    engine = SGLangEngine(URL, SGLangEngineConfig(url=URL, request_timeout_s=600), transport=Timed(flaky))
+    _made.append(engine)
+    asyncio.run(engine.update_weights(str(snapshot), 4))
+    assert engine.weight_version == 4 and len(timeouts) == 2
+    assert timeouts[0] == pytest.approx(http.CONTROL_TIMEOUT_S + 1000 / http.PUSH_MIN_BYTES_PER_S)
+    assert engine.push_timeout_s(str(tmp_path / "nowhere")) == 600, "an unseen snapshot: the configured bound"
+
+    def silent(method, url, body):
+        raise EngineUnreachable(f"{url}: no answer within 1 s")
+
+    engine, seen = fake_engine(silent)
+    with pytest.raises(EngineUnreachable, match=rf"^{URL}/update_weights_from_disk: no answer in 3 attempts"):
+        asyncio.run(engine.update_weights(str(snapshot), 5))
+    assert len(seen) == 3 and engine.weight_version == 0

@@ -1,0 +1,138 @@
+"""A frozen engine server (SIGSTOP of the CPU stand-in server, then SIGCONT), in a real run: the
+wait is named within seconds, a server that comes back is used again (a weight push cut off by the
+freeze is sent again), and one that never comes back ends the run naming its URL."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _cfg(tmp_path: Path, model_dir, **engine):
+    from miles_core.config import RunConfig
+
+    return RunConfig.model_validate({
+        "name": "frozen", "run_id": "frozen", "model": {"path": str(model_dir)},
+        "data": {"type": "toy", "num_prompts": 256},
+        "rollout": {"num_rollout": 8, "rollout_batch_size": 4, "n_samples_per_prompt": 2,
+                    "rollout_max_response_len": 3},
+        "train": {"global_batch_size": 8, "micro_batch_size": 8},
+        "engine": {"type": "sglang", "num_threads": 1, "health_warn_s": 1.0, "health_timeout_s": 6.0, **engine},
+        "eval": {"eval_interval": None, "num_prompts": 4, "skip_eval_before_train": True},
+        "storage": {"root": str(tmp_path / "runs")},
+    })
+
+
+def _server() -> psutil.Process:
+    (server,) = [p for p in psutil.Process().children(recursive=True)
+                 if "miles_core.engines.server" in " ".join(p.cmdline())]
+    return server
+
+
+def _steps(tmp_path: Path) -> int:
+    metrics = tmp_path / "runs" / "frozen" / "frozen" / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+class _Logged(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _freeze(tmp_path: Path, after_steps: int, seconds: float | None, witness: dict) -> threading.Thread:
+    def run() -> None:
+        deadline = time.monotonic() + 300
+        while _steps(tmp_path) < after_steps and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server = _server()
+        witness["frozen_at_step"] = _steps(tmp_path)
+        server.send_signal(signal.SIGSTOP)
+        if seconds is None:
+            return
+        time.sleep(seconds)
+        witness["steps_while_frozen"] = _steps(tmp_path) - witness["frozen_at_step"]
+        server.send_signal(signal.SIGCONT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_engine_frozen_for_longer_than_a_request_comes_back_and_the_run_completes(prefect_backend, tiny_model_dir,
+                                                                                  tmp_path):
+    from flows.train import train
+
+    logged = _Logged()
+    logging.getLogger("miles_core").addHandler(logged)
+    witness: dict = {}
+    try:
+        freezer = _freeze(tmp_path, 2, 9.0, witness)
+        state = train(_cfg(tmp_path, tiny_model_dir), return_state=True)
+        freezer.join(30)
+    finally:
+        logging.getLogger("miles_core").removeHandler(logged)
+    assert witness["steps_while_frozen"] == 0, witness
+    assert state.is_completed(), state
+    assert _steps(tmp_path) == 8
+    # the wait was named within about a second (health_warn_s), and what it cut off was sent again
+    # (the rollout's requests or the weight push: whichever the freeze caught)
+    waits = [m for m in logged.messages if m.startswith("the engine server at http://127.0.0.1:")]
+    assert waits and "has not answered" in waits[0], logged.messages[-20:]
+    assert any("sending them once more" in m or "sending it again (attempt 2 of 3)" in m
+               for m in logged.messages), logged.messages[-20:]
+
+
+def test_a_weight_push_cut_off_by_a_freeze_is_sent_again(tiny_model_dir, caplog):
+    """The server is frozen while a push waits on it, longer than its keep-alive (5 s): when it
+    comes back it resets the connection the push was on, and the push is sent again."""
+    import asyncio
+
+    from miles_core.config import SGLangEngineConfig
+    from miles_core.engines import setup_engine
+
+    engine = setup_engine(SGLangEngineConfig(num_threads=1, health_warn_s=1.0, health_timeout_s=4.0),
+                          str(tiny_model_dir), "float32", seed=0)
+    server = psutil.Process(engine.server.proc.pid)
+    try:
+        asyncio.run(engine.health())  # a kept-alive connection, as a run's has
+        server.send_signal(signal.SIGSTOP)
+        threading.Timer(7.0, server.send_signal, args=(signal.SIGCONT,)).start()
+        with caplog.at_level(logging.WARNING, logger="miles_core.engines.http"):
+            asyncio.run(engine.update_weights(str(Path(tiny_model_dir) / "model.safetensors"), 1))
+        assert engine.weight_version == 1
+        said = [r.getMessage() for r in caplog.records]
+        assert any("has not answered /update_weights_from_disk" in m for m in said), said
+        assert any("Connection reset" in m and "sending it again (attempt 2 of 3)" in m for m in said), said
+    finally:
+        server.send_signal(signal.SIGCONT)
+        asyncio.run(engine.close())
+
+
+def test_an_engine_that_never_comes_back_ends_the_run_naming_its_url(prefect_backend, tiny_model_dir, tmp_path):
+    from flows.train import train
+
+    witness: dict = {}
+    freezer = _freeze(tmp_path, 2, None, witness)
+    started = time.monotonic()
+    state = train(_cfg(tmp_path, tiny_model_dir, request_timeout_s=3.0), return_state=True)
+    freezer.join(30)
+    assert state.is_failed() and witness["frozen_at_step"] >= 2, (state, witness)
+    assert time.monotonic() - started < 120
+    with pytest.raises(ConnectionError, match=r"http://127\.0\.0\.1:\d+/\S+: no answer"):
+        state.result()
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if "miles_core.engines.server" in " ".join(p.cmdline())], "the frozen server was stopped"
