@@ -81,6 +81,17 @@ def rewind(layout: RunLayout, step: int) -> None:
             layout.remove(_entry_name(k))
 
 
+def used_groups(run_dir: str, storage_options: dict[str, Any] | None = None) -> set[int]:
+    """The group indices the run's ledger says its trainer trained or rejected (a fully-async
+    run's: what a resume must not generate again, even when the segment that held it is gone)."""
+    fs, root = open_fs(run_dir, storage_options)
+    used: set[int] = set()
+    for e in _entries(fs, root):
+        used.update(row[0] for row in e["trained"])
+        used.update(row[0] for row in e["rejected"])
+    return used
+
+
 def _steps_in(fs, folder: str) -> list[int]:
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
@@ -105,6 +116,8 @@ class Audit:
     problems: list[str] = field(default_factory=list)
     adapters: dict[str, Audit] = field(default_factory=dict)
     """A multi-LoRA run: each adapter's own audit (its problems are also the run's, named)."""
+    ledger_tokens: dict[int, int] = field(default_factory=dict, repr=False)
+    """Each trained group's response tokens, as the ledger has them."""
 
     @property
     def ok(self) -> bool:
@@ -199,7 +212,8 @@ def _read_json(fs, path: str) -> Any:
 
 
 def _trained_by_group(entries: list[dict[str, Any]], result: Audit) -> tuple[dict[int, int], dict[int, tuple]]:
-    """Group index -> the step that trained it, and -> its rejection; a group trained twice is a problem."""
+    """Group index -> the step that trained it, and -> its rejection; a group trained twice is a
+    problem. ``result.ledger_tokens``: each trained group's response tokens."""
     trained: dict[int, int] = {}
     rejected: dict[int, tuple] = {}
     for e in entries:
@@ -207,6 +221,7 @@ def _trained_by_group(entries: list[dict[str, Any]], result: Audit) -> tuple[dic
             if gi in trained:
                 result.problems.append(f"group {gi} trained twice: at steps {trained[gi]} and {e['step']}")
             trained[gi] = e["step"]
+            result.ledger_tokens[gi] = tokens
             result.tokens["trained"] += tokens
         for gi, _row, reason, handled, tokens in e["rejected"]:
             rejected[gi] = (reason, handled, tokens, e["step"])
@@ -232,8 +247,18 @@ def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
 
     result = Audit(run_dir, "steps")
     trained, rejected = _trained_by_group(entries, result)
-    segments = _segments(SampleStream(run_dir, storage_options=options))
+    stream = SampleStream(run_dir, storage_options=options)
+    segments = _segments(stream)
     read = {e["segment"]: e for e in entries if e.get("segment") is not None}
+    for offset in _count_set_aside(result, [stream]):  # damaged and moved aside: the ledger says what they held
+        if offset in read:
+            for gi, _row, tokens in read[offset]["trained"]:
+                result.counts[SET_ASIDE_TRAINED] += 1
+                result.tokens["generated"] += tokens
+            for gi, _row, reason, _handled, tokens in read[offset]["rejected"]:
+                result.counts[f"rejected ({reason}; their segment damaged and moved aside since)"] += 1
+                result.tokens["generated"] += tokens
+                result.tokens["rejected"] += tokens
     for offset, groups in segments.items():
         for gi, _row, tokens, _adapter in groups:
             result.tokens["generated"] += tokens
@@ -249,6 +274,21 @@ def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
                 result.problems.append(f"group {gi} of segment {offset} (read by step {read[offset]['step']}) "
                                        "was neither trained nor rejected")
     return result
+
+
+SET_ASIDE = "segments damaged and moved aside"
+SET_ASIDE_TRAINED = "of those trained: groups whose segment was damaged and moved aside since"
+
+
+def _count_set_aside(result: Audit, streams) -> list[int]:
+    """The offsets of ``streams``' segments moved aside as damaged (one stream's; counted in ``result``)."""
+    offsets = []
+    for stream in streams:
+        aside = stream.set_aside()
+        if aside:
+            result.counts[SET_ASIDE] += len(aside)
+        offsets += aside
+    return offsets
 
 
 def _audit_epochs(result: Audit, entries: list[dict[str, Any]]) -> None:
@@ -331,6 +371,7 @@ def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished:
     base = SampleStream(run_dir, storage_options=options)
     for producer in sorted(set(claimed_by.values())):
         stream = base.sibling(stream_name(producer))
+        _count_set_aside(result, [stream])
         cursor, fence = stream.reader(reader).cursor, control.fence_of(producer)
         for offset, groups in _segments(stream).items():
             if fence is not None and offset > fence:
@@ -369,6 +410,14 @@ def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished:
             else:
                 what = "written, not read by the end"
                 result.tokens["abandoned"] += tokens
+        elif gi in trained:  # its segment was damaged and moved aside: the ledger says what it held
+            what = "trained"
+            result.counts[SET_ASIDE_TRAINED] += 1
+            result.tokens["generated"] += result.ledger_tokens[gi]
+        elif gi in rejected and not settled.get(gi):
+            what = f"rejected ({rejected[gi][0]}, {rejected[gi][1]}; its segment damaged and moved aside since)"
+            result.tokens["generated"] += rejected[gi][2]
+            result.tokens["rejected"] += rejected[gi][2]
         elif gi in settled:
             what = settled[gi]
         elif gi in partial:

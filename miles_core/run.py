@@ -50,10 +50,12 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
 def prepare_run(cfg: RunConfig, log=print, owner: dict[str, Any] | None = None) -> RunRefs:
     """Build or find the starting model, take the run's lease (one trainer per run: ``RunBusy``
     when another process trains this run id; ``owner`` is what the lease says of this one, e.g.
-    its flow run), then write the config (without secrets)."""
+    its flow run), move damaged sample segments of an earlier start aside (``set_aside_damaged``),
+    then write the config (without secrets)."""
     from miles_core.models import ensure_model
     from miles_core.storage.lease import RunLease
     from miles_core.storage.layout import RunLayout, new_run_id
+    from miles_core.storage.stream import set_aside_damaged
 
     model_dir = ensure_model(cfg.model, log=log)
     run_id = cfg.run_id or new_run_id()
@@ -61,6 +63,8 @@ def prepare_run(cfg: RunConfig, log=print, owner: dict[str, Any] | None = None) 
     lease = RunLease(layout, owner).acquire()
     with _LEASES_LOCK:
         _LEASES[layout.run_dir] = lease
+    for line in set_aside_damaged(layout.run_dir, cfg.storage.storage_options):  # a resumed run's, before any reader
+        log(f"a damaged sample segment was moved aside (its prompts not trained yet are generated again): {line}")
     layout.write_json("config.json", cfg.public_dict())
     return RunRefs(run_id=run_id, run_dir=layout.run_dir, model_dir=str(model_dir))
 

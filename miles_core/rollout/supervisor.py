@@ -38,6 +38,7 @@ from miles_core.rollout.fleet import (
     stream_name,
     written_groups,
 )
+from miles_core.ledger import used_groups
 from miles_core.types import Group
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ class Fleet:
         self._died: list = []
         self._watch_error: BaseException | None = None
         self._watching = threading.Event()
+        self._used: set[int] = set()
+        """Groups the trainer's ledger says it used, read when an earlier start is settled."""
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -100,6 +103,8 @@ class Fleet:
         partial groups adopted by the first producer launched now, the rest given back."""
         if not earlier:
             return
+        # what the trainer used stays used, even when the segment that held it was damaged and moved aside
+        self._used = used_groups(self.refs.run_dir, self.cfg.storage.storage_options)
         with self._lock:
             returned, adopted = settle_earlier(self.monitor, self.base_stream, sorted(earlier), f"p{self._next}")
         self.warn(f"run {self.refs.run_id} was started before: the trainer reads what its producers "
@@ -211,7 +216,9 @@ class Fleet:
         return last_offset(self.stream(producer))
 
     def _written(self, producer: str, last: int) -> set[int]:
-        return written_groups(self.stream(producer), last)
+        """Groups ``producer`` wrote up to offset ``last``, and those the trainer used (whose segment
+        may have been moved aside since): not to be given back."""
+        return written_groups(self.stream(producer), last) | self._used
 
     # ------------------------------------------------------------------------------ pause
 

@@ -9,6 +9,9 @@ Parts:
   ``read`` returns the next whole segments in order; ``commit(offset)`` persists progress, and a
   new reader of the same name (after a restart) resumes from the last commit.
 - ``Segment``: one decoded segment (``offset``, ``uri``, ``table``, ``samples()``).
+- Damage: ``damaged()`` finds segments that cannot be decoded (``SegmentDamaged``), ``move_aside``
+  moves one to ``samples/<producer>/damaged/`` (its offset is never written again), and
+  ``set_aside_damaged(run_dir)`` does both for every stream of a run (a run that starts again).
 
 Visibility: a segment appears under its final name only when whole, and readers consider only
 names that match ``<12 digits>.arrow`` exactly, so temp files and other stray objects are ignored.
@@ -55,6 +58,8 @@ if TYPE_CHECKING:
 
 SEGMENT_NAME = re.compile(r"^(\d{12})\.arrow$")
 END_MARKER = "_END"
+DAMAGED = "damaged"
+"""The folder of a stream's segments moved aside as damaged (``move_aside``)."""
 VERSION_KEY = b"miles.schema_version"
 ZSTD_LEVEL = 1  # as small as tuned Parquet and several times cheaper to encode (see KNOWLEDGE.md)
 COMPRESSIONS = ("zstd", "lz4", "none")
@@ -166,9 +171,38 @@ class SampleStream:
         if closed:
             raise RuntimeError(f"sample stream {self.uri} is closed ({END_MARKER} exists); cannot append")
         if self._next_offset is None:
-            existing = self.offsets()
-            self._next_offset = existing[-1] + 1 if existing else 0
+            existing = self.offsets() + self.set_aside()  # a damaged segment's offset is never used again
+            self._next_offset = max(existing) + 1 if existing else 0
         return self._next_offset
+
+    # ------------------------------------------------------------------------------ damage
+
+    def set_aside(self) -> list[int]:
+        """Offsets of the segments moved aside as damaged (``damaged/<offset>.arrow``), ascending."""
+        folder = join(self.path, DAMAGED)
+        names = self._call(lambda: list_after(self.fs, folder, None), folder)
+        return sorted(int(m.group(1)) for m in map(SEGMENT_NAME.match, names) if m)
+
+    def damaged(self) -> list[tuple[int, str]]:
+        """Each whole-named segment that cannot be decoded (garbage bytes, a cut file), with why."""
+        out = []
+        for offset in self.offsets():
+            try:
+                self.read_segment(offset)
+            except SegmentDamaged as e:  # not a segment of another schema version: that is no damage
+                out.append((offset, str(e)))
+        return out
+
+    def move_aside(self, offset: int, why: str) -> str:
+        """Move damaged segment ``offset`` to ``damaged/<offset>.arrow`` (beside it ``<offset>.json``
+        says why), out of every reader's way; returns its new URI. Readers skip the offset, and
+        this stream never writes it again."""
+        src = join(self.path, segment_name(offset))
+        dst = join(self.path, DAMAGED, segment_name(offset))
+        note = json.dumps({"offset": offset, "why": why, "at": time.time()}).encode()
+        self._call(lambda: atomic_write(self.fs, join(self.path, DAMAGED, f"{offset:012d}.json"), note), dst)
+        self._call(lambda: self.fs.mv(src, dst), src)
+        return to_url(self.fs, dst)
 
     # ------------------------------------------------------------------------------- readers
 
@@ -221,6 +255,35 @@ class SampleStream:
     def reader(self, name: str) -> StreamReader:
         """A consumer named ``name``, resuming from its last committed cursor."""
         return StreamReader(self, name)
+
+
+def set_aside_damaged(run_dir_url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Move every damaged segment of the run's sample streams aside (``SampleStream.move_aside``);
+    returns a line for each (where it went, and why). For a run folder only one trainer holds:
+    call it when a run starts again, before anything reads its streams."""
+    from miles_core.storage.fs import list_names
+
+    fs, run_dir = open_fs(run_dir_url, storage_options)
+    moved = []
+    for producer in sorted(list_names(fs, join(run_dir, "samples"))):
+        if not check_producer_name(producer):
+            continue
+        stream = SampleStream(run_dir_url, producer, storage_options)
+        for offset, why in stream.damaged():
+            moved.append(f"{stream.move_aside(offset, why)}: {why}")
+    return moved
+
+
+def check_producer_name(name: str) -> bool:
+    try:
+        check_name("producer", name)
+    except ValueError:
+        return False
+    return True
+
+
+class SegmentDamaged(ValueError):
+    """A segment's bytes are not a whole Arrow stream (cut short, overwritten)."""
 
 
 class StreamWriteError(RuntimeError):
@@ -473,11 +536,11 @@ def _decode(data: bytes, uri: str) -> pa.Table:
     import pyarrow as pa
 
     if not data.endswith(_IPC_EOS):
-        raise ValueError(f"sample segment {uri} is truncated ({len(data)} bytes, no Arrow end-of-stream marker)")
+        raise SegmentDamaged(f"sample segment {uri} is truncated ({len(data)} bytes, no Arrow end-of-stream marker)")
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"cannot decode sample segment {uri} ({len(data)} bytes): {e}") from e
+        raise SegmentDamaged(f"cannot decode sample segment {uri} ({len(data)} bytes): {e}") from e
     version = (table.schema.metadata or {}).get(VERSION_KEY, b"<missing>").decode()
     if version != str(SCHEMA_VERSION):
         raise ValueError(

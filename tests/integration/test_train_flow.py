@@ -397,3 +397,39 @@ def test_a_full_disk_fails_the_run_naming_the_file_and_after_space_is_freed_it_r
         assert steps == list(range(1, last + 3))
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_a_damaged_segment_found_on_resume_is_moved_aside_and_the_audit_and_archive_pass(prefect_backend,
+                                                                                        tiny_model_dir, tmp_path,
+                                                                                        mode):
+    """Garbage bytes in sample segments of a finished run (one the trainer trained; fully async, also
+    the newest, likely never read): the run resumed for two more steps moves them aside, the prompts
+    it had not trained are generated again, its audit balances and the stream archives."""
+    from flows.train import train
+    from miles_core.ledger import SET_ASIDE
+    from miles_core.storage.archive import compact_run
+
+    cfg = _tiny_run(tmp_path, tiny_model_dir, checkpoint={"save_interval": 2}, eval={"eval_interval": None},
+                    mode={"type": mode})
+    cfg.rollout.num_rollout, cfg.run_id = 4, "damaged"
+    assert train(cfg, return_state=True).is_completed()
+    producer = "rollout" if mode == "sync" else "rollout-p0"
+    stream = tmp_path / "runs" / "flow-test" / "damaged" / "samples" / producer
+    segments = sorted(stream.glob("*.arrow"))
+    damaged = [segments[0]] if mode == "sync" else [segments[0], segments[-1]]
+    for segment in damaged:
+        data = bytearray(segment.read_bytes())
+        data[len(data) // 3: len(data) // 3 + 64] = b"\xde\xad" * 32  # overwritten in place
+        segment.write_bytes(bytes(data))
+
+    cfg.rollout.num_rollout = 6
+    state = train(cfg, return_state=True)
+    assert state.is_completed(), state
+    assert sorted(p.name for p in (stream / "damaged").glob("*.arrow")) == [p.name for p in damaged]
+    assert all((stream / "damaged" / f"{p.stem}.json").exists() for p in damaged)
+    audit = state.result()["audit"]
+    assert audit["ok"] and audit["token_balance"] == 0, audit
+    assert audit["counts"][SET_ASIDE] == len(damaged), audit["counts"]
+    report = compact_run(str(stream.parents[1]), producer=producer)
+    assert report.segments == len(list(stream.glob("*.arrow")))

@@ -274,3 +274,26 @@ def test_a_snapshot_whose_write_fails_leaves_no_file_behind(root):
     finally:
         torch.Tensor.to = original
     assert store.versions() == [] and not store.fs.exists(join(store.path, "v000001", "model.safetensors"))
+
+
+def test_a_damaged_segment_is_found_moved_aside_and_its_offset_never_reused(root):
+    from miles_core.storage.fs import open_fs
+    from miles_core.storage.stream import set_aside_damaged
+
+    run = f"{root.rstrip('/')}/run"
+    stream = SampleStream(run)
+    for g in range(3):
+        stream.append(make_samples(2, g))
+    fs, path = open_fs(stream.segment_uri(2))
+    data = bytearray(fs.cat_file(path))
+    data[40:80] = b"\xff" * 40  # garbage in the middle: the end-of-stream marker is still there
+    fs.pipe_file(path, bytes(data))
+    assert [o for o, _ in stream.damaged()] == [2]
+
+    (line,) = set_aside_damaged(run)
+    assert line.startswith(f"{stream.uri}/damaged/000000000002.arrow: cannot decode sample segment ")
+    again = SampleStream(run)
+    assert again.offsets() == [0, 1] and again.set_aside() == [2] and not again.damaged()
+    assert [s.samples()[0].group_index for s in again.read()] == [0, 1]
+    assert again.append(make_samples(2, 3)) == 3, "the damaged segment's offset is not written again"
+    assert set_aside_damaged(run) == []
