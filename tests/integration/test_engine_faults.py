@@ -18,11 +18,11 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def _cfg(tmp_path: Path, model_dir, **engine):
+def _cfg(tmp_path: Path, model_dir, mode: str = "sync", **engine):
     from miles_core.config import RunConfig
 
     return RunConfig.model_validate({
-        "name": "frozen", "run_id": "frozen", "model": {"path": str(model_dir)},
+        "name": "frozen", "run_id": "frozen", "model": {"path": str(model_dir)}, "mode": {"type": mode},
         "data": {"type": "toy", "num_prompts": 256},
         "rollout": {"num_rollout": 8, "rollout_batch_size": 4, "n_samples_per_prompt": 2,
                     "rollout_max_response_len": 3},
@@ -136,3 +136,28 @@ def test_an_engine_that_never_comes_back_ends_the_run_naming_its_url(prefect_bac
         state.result()
     assert not [p for p in psutil.Process().children(recursive=True)
                 if "miles_core.engines.server" in " ".join(p.cmdline())], "the frozen server was stopped"
+
+
+def test_a_fully_async_producer_whose_engine_froze_for_good_is_replaced(prefect_backend, tiny_model_dir, tmp_path):
+    """The producer's engine server never answers again: the producer is declared dead (it stops
+    naming its engine, or stops beating while a push waits), and the fleet launches a replacement
+    (with an engine of its own) that carries the run to its end, losing no prompt."""
+    from flows.train import train
+
+    cfg = _cfg(tmp_path, tiny_model_dir, "fully_async", health_timeout_s=3.0)
+    witness: dict = {}
+    freezer = _freeze(tmp_path, 2, None, witness)
+    state = train(cfg, return_state=True)
+    freezer.join(30)
+    assert state.is_completed(), state
+    assert witness["frozen_at_step"] >= 2 and _steps(tmp_path) == 8
+    from miles_core.rollout.fleet import ControlPlane
+
+    run_dir = tmp_path / "runs" / "frozen" / "frozen"
+    beat = json.loads((run_dir / "fleet" / "producers" / "p0.json").read_text())
+    # p0 stopped naming its engine, or (held in a weight push, which has a longer deadline) stopped
+    # beating first: either way it was declared dead and fenced, and p1 took its place
+    assert ControlPlane(str(run_dir)).fence_of("p0") is not None, beat
+    assert beat["status"] != "failed" or "its engine did not answer" in beat["error"], beat
+    assert (run_dir / "fleet" / "producers" / "p1.json").exists()
+    assert state.result()["audit"]["ok"], state.result()["audit"]

@@ -380,6 +380,20 @@ def test_generation_errors_are_retried_then_counted(harness):
     assert stats.samples_failed == 1 and stats.generation_errors == 2 + 3
 
 
+def test_an_engine_that_does_not_answer_stops_the_producer_naming_it(harness):
+    """A request's retries all unanswered is the engine's fault, not the sample's: the producer
+    stops with that error (a fleet replaces it) instead of writing failed samples forever."""
+    from miles_core.engines.http import EngineUnreachable
+
+    h = harness(engine=ScriptedEngine(fail=lambda req: EngineUnreachable("http://e:1/generate: no answer")),
+                generation_retries=1).start()
+    feed = h.feed()
+    with pytest.raises(EngineUnreachable, match=r"its engine did not answer request g\d+-s\d+ 2 times; last: "
+                                                r"http://e:1/generate: no answer"):
+        feed.next_batch(4, 0)
+    assert h.layout.read_json("state/producer.json")["status"] == "failed"
+
+
 def test_producer_death_reaches_the_trainer_with_its_own_exception(harness):
     h = harness(prompts=Prompts(fail_at=5)).start()
     feed = h.feed()
