@@ -355,6 +355,11 @@ def with_retries(
             if not is_transient(e, policy):
                 if is_s3(fs) and _is_missing_bucket(e):
                     raise _bucket_missing(what, fs, e) from e
+                if is_s3(fs) and isinstance(e, PermissionError):
+                    raise PermissionError(errno.EACCES, f"{what}: storage endpoint {endpoint_name(fs)} refused access "
+                                          f"({e}); check the credentials the run uses (storage.storage_options, "
+                                          "storage.credentials_block, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                                          "in the environment) and that they may read and write this bucket") from e
                 raise
             delay = next(delays, None)
             elapsed = time.monotonic() - start

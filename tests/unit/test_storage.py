@@ -297,3 +297,25 @@ def test_a_damaged_segment_is_found_moved_aside_and_its_offset_never_reused(root
     assert [s.samples()[0].group_index for s in again.read()] == [0, 1]
     assert again.append(make_samples(2, 3)) == 3, "the damaged segment's offset is not written again"
     assert set_aside_damaged(run) == []
+
+
+def test_refused_access_and_a_missing_bucket_name_the_object_the_endpoint_and_what_to_check():
+    import s3fs
+
+    from miles_core.storage.fs import BucketMissingError, with_retries
+
+    fs = s3fs.S3FileSystem(key="k", secret="s", client_kwargs={"endpoint_url": "http://store:9000"})
+
+    def refused():
+        raise PermissionError("Access Denied")
+
+    with pytest.raises(PermissionError, match=r"s3://b/run/x: storage endpoint http://store:9000 refused access "
+                                              r"\(Access Denied\); check the credentials"):
+        with_retries(refused, "s3://b/run/x", fs)
+
+    def gone():
+        raise FileNotFoundError("The specified bucket does not exist")
+
+    with pytest.raises(BucketMissingError, match=r"s3://b/run/x: bucket 'b' does not exist on storage endpoint "
+                                                 r"http://store:9000 .*restarted without its data"):
+        with_retries(gone, "s3://b/run/x", fs)
