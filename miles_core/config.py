@@ -508,8 +508,9 @@ class SGLangEngineConfig(_Base):
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """Launched server: how long to wait for it to answer ``/health`` before giving up."""
     request_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest wait for one HTTP request to the server (a ``generate`` call returns when its
-    longest response is done)."""
+    """Longest wait for one HTTP request to the server. Within it, a ``generate`` call waits 120 s
+    plus 2 s per token of its longest response, and a weight push 60 s plus its snapshot's size
+    at 20 MB/s (sent again up to 3 times when cut off)."""
     health_warn_s: float = Field(default=30.0, gt=0)
     """While requests wait on the server and it gives no sign of life (no reply, ``/health``
     unanswered), a warning names the URL and what is pending every this many seconds."""
@@ -582,7 +583,8 @@ class VLLMEngineConfig(_Base):
     """Launched server: how long to wait for it to answer ``/health`` (vLLM loads and compiles:
     ~35 s for the tiny model on this kind of CPU)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest wait for one HTTP request to the server."""
+    """Longest wait for one HTTP request to the server. Within it, a completion waits 120 s plus 2 s
+    per token it asks for, and a weight reload 60 s plus its snapshot's size at 20 MB/s."""
     health_warn_s: float = Field(default=30.0, gt=0)
     """While requests wait on a server that gives no sign of life, a warning every this many seconds."""
     health_timeout_s: float = Field(default=120.0, gt=0)

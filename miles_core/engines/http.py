@@ -35,6 +35,10 @@ not a few seconds)."""
 PUSH_MIN_BYTES_PER_S = 20e6
 """A weight push's deadline is ``CONTROL_TIMEOUT_S`` plus its snapshot's size at this rate (a slow
 disk read and load on a busy CPU machine), at most ``request_timeout_s``."""
+GENERATE_BASE_S = 120.0
+GENERATE_S_PER_TOKEN = 2.0
+"""A generate call's deadline: ``GENERATE_BASE_S`` plus this per token of its longest request, at
+most ``request_timeout_s`` (a server that answers ``/health`` but never finishes a batch)."""
 CONTROL_ATTEMPTS = 3
 """A control call the server can take twice (a weight push of a given version, an adapter load) is
 sent again after no answer: a server frozen and back again resets the connection it was on."""
@@ -299,6 +303,10 @@ class HTTPEngine:
                 await asyncio.sleep(CONTROL_RETRY_DELAY_S * attempt)
         raise EngineUnreachable(f"{self.url}{path}: no answer in {CONTROL_ATTEMPTS} attempts of up to {timeout:g} s "
                                 f"each: " + "; ".join(failures))
+
+    def generate_timeout_s(self, max_new_tokens: int) -> float:
+        """The deadline of a generate call whose longest request asks for ``max_new_tokens``."""
+        return min(self.cfg.request_timeout_s, GENERATE_BASE_S + GENERATE_S_PER_TOKEN * max_new_tokens)
 
     def push_timeout_s(self, uri: str) -> float:
         """The deadline of a weight push of the snapshot at ``uri``: ``CONTROL_TIMEOUT_S`` plus its

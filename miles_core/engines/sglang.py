@@ -136,7 +136,8 @@ class SGLangEngine(HTTPEngine):
 
     async def _generate_now(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         body = request_body(requests)
-        items = await self._post("/generate", body, timeout=self.cfg.request_timeout_s)
+        longest = max(r.sampling.max_new_tokens for r in requests)
+        items = await self._post("/generate", body, timeout=self.generate_timeout_s(longest))
         if not isinstance(items, list) or len(items) != len(requests):
             got = f"{len(items)} results" if isinstance(items, list) else type(items).__name__
             raise EngineHTTPError(f"{self.url}/generate", 200, f"expected {len(requests)} results, got {got}")

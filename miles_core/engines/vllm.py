@@ -109,7 +109,7 @@ class VLLMEngine(HTTPEngine):
         if seed is not None:
             body["seed"] = seed
         url = f"{self.url}/v1/completions"
-        reply = await self._post("/v1/completions", body, timeout=self.cfg.request_timeout_s)
+        reply = await self._post("/v1/completions", body, timeout=self.generate_timeout_s(req.sampling.max_new_tokens))
         return parse_completion(reply, req.rid, version, url)
 
     async def update_weights(self, uri: str, version: int) -> None:
