@@ -372,12 +372,15 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 def _blame(error: ValidationError, args: argparse.Namespace) -> str:
     """Where the fields a validation error is about were set: the flags that set them (with their
     values), else the config file (or the defaults)."""
-    flag_of = {path: flag for flag, path in FLAGS.items()}
+    flags_of: dict[str, list[str]] = {}
+    for flag, path in FLAGS.items():  # several flags may set one field (Miles' names and ours)
+        flags_of.setdefault(path, []).append(flag)
     given: dict[str, str] = {}
     for key, value in vars(args).items():
         path = key.removeprefix("switch:")
-        if path in flag_of and key != "set":
-            given[path] = flag_of[path] if key.startswith("switch:") else f"{flag_of[path]} {_shown(value)}"
+        if path in flags_of and key != "set":
+            flag = "/".join(flags_of[path])
+            given[path] = flag if key.startswith("switch:") else f"{flag} {_shown(value)}"
     for item in args.set:
         given[item.partition("=")[0].strip()] = f"--set {item}"
     blamed = []

@@ -253,6 +253,7 @@ def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
     for offset in _count_set_aside(result, [stream]):  # damaged and moved aside: the ledger says what they held
         if offset in read:
             for gi, _row, tokens in read[offset]["trained"]:
+                result.counts["trained"] += 1
                 result.counts[SET_ASIDE_TRAINED] += 1
                 result.tokens["generated"] += tokens
             for gi, _row, reason, _handled, tokens in read[offset]["rejected"]:

@@ -44,6 +44,7 @@ from dataclasses import asdict
 from typing import Any
 
 from miles_core.config import RunConfig
+from miles_core.ledger import used_groups
 from miles_core.rollout.fleet import (
     ControlPlane,
     FleetMonitor,
@@ -226,9 +227,15 @@ class MultiLoraRun:
         (``fleet.settle_earlier``: fenced at what their streams hold, their saved partial groups
         adopted by this start's producer, the rest of what they claimed and never wrote given back)
         and name this start's producer after them. Returns (prompts given back, partial groups adopted)."""
+        from miles_core.storage.fs import join
+
         earlier = {c.producer for c in self.prompt_log.entries() if c.producer and _start_of(c.producer) is not None}
         self.producer_id = f"m{max(map(_start_of, earlier), default=-1) + 1}"
-        monitor = FleetMonitor(self.control, self.prompt_log, lambda p, last: written_groups(self.stream_of(p), last),
+        # what any adapter used stays used, even when the segment that held it was damaged and moved aside
+        used = set().union(*(used_groups(join(self.refs.run_dir, "adapters", n), self.cfg.storage.storage_options)
+                             for n in self.names))
+        monitor = FleetMonitor(self.control, self.prompt_log,
+                               lambda p, last: written_groups(self.stream_of(p), last) | used,
                                heartbeat_timeout_s=float("inf"))
         settled = settle_earlier(monitor, self.files.stream, sorted(earlier, key=_start_of), self.producer_id)
         self.earlier = dict(monitor.fences)

@@ -78,16 +78,20 @@ def follow_supervisor() -> None:
     (from its last checkpoint). Processes the run started in sessions of their own (engine servers,
     producers) watch this process and end with it. Nothing to do in an unsupervised process (a
     deployment's flow run)."""
-    supervisor = os.environ.get(SUPERVISED, "")
-    if not supervisor.isdigit() or os.getppid() != int(supervisor):
+    supervisor = os.environ.pop(SUPERVISED, "")  # not for the processes this one starts
+    if not supervisor.isdigit():
         return
 
     def watch() -> None:
-        while os.getppid() == int(supervisor):
+        while os.getppid() == int(supervisor):  # a parent other than the supervisor: it is gone
             time.sleep(SUPERVISOR_CHECK_S)
-        print(f"miles: the miles command that ran this run (pid {supervisor}) is gone; stopping the run and "
-              "everything it started (resume it with --run-id)", file=sys.stderr, flush=True)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        try:
+            print(f"miles: the miles command that ran this run (pid {supervisor}) is gone; stopping the run and "
+                  "everything it started (resume it with --run-id)", file=sys.stderr, flush=True)
+        except OSError:  # its terminal closed, or the pipe's reader died with it
+            pass
+        finally:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, name="follow-supervisor", daemon=True).start()
 

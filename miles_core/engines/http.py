@@ -35,10 +35,11 @@ not a few seconds)."""
 PUSH_MIN_BYTES_PER_S = 20e6
 """A weight push's deadline is ``CONTROL_TIMEOUT_S`` plus its snapshot's size at this rate (a slow
 disk read and load on a busy CPU machine), at most ``request_timeout_s``."""
-GENERATE_BASE_S = 120.0
+GENERATE_BASE_S = 300.0
 GENERATE_S_PER_TOKEN = 2.0
-"""A generate call's deadline: ``GENERATE_BASE_S`` plus this per token of its longest request, at
-most ``request_timeout_s`` (a server that answers ``/health`` but never finishes a batch)."""
+"""A generate call's deadline: ``GENERATE_BASE_S`` (room for a queue, a pause, a weight load) plus
+this per token of its longest request, at most ``request_timeout_s`` (a server that answers
+``/health`` but never finishes a batch)."""
 CONTROL_ATTEMPTS = 3
 """A control call the server can take twice (a weight push of a given version, an adapter load) is
 sent again after no answer: a server frozen and back again resets the connection it was on."""
@@ -58,6 +59,10 @@ class EngineHTTPError(RuntimeError):
 
 class EngineUnreachable(ConnectionError):
     """No answer from the server (connection refused or reset, timeout)."""
+
+
+class EngineTimeout(EngineUnreachable):
+    """The request's own deadline passed with no answer (the server may be slow, not gone)."""
 
 
 class Transport(Protocol):
@@ -96,7 +101,7 @@ class AiohttpTransport:
             async with self._session.request(method, url, json=body, timeout=limit) as reply:
                 return reply.status, await reply.read()
         except asyncio.TimeoutError as e:
-            raise EngineUnreachable(f"{url}: no answer within {timeout:g} s") from e
+            raise EngineTimeout(f"{url}: no answer within {timeout:g} s") from e
         except aiohttp.ClientError as e:  # refused, reset, disconnected, bad reply
             raise EngineUnreachable(f"{url}: cannot reach the engine server ({type(e).__name__}: {e})") from e
 
@@ -157,6 +162,10 @@ class HealthWatch:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
+
+    def generating(self) -> bool:
+        """Whether a request other than a control call is pending (a generate)."""
+        return any(path not in self.exempt for path, _ in list(self._pending.values()))
 
     def describe(self) -> str:
         now = self.clock()
@@ -248,6 +257,8 @@ class HTTPEngine:
         """The health deadline of requests to the server (used on ``self._io``'s loop only)."""
         self.storage_options: dict[str, Any] = {}
         """fsspec options of the store weight URIs point into, when this process may read it."""
+        self.longest_tokens = 0
+        """The most tokens a generate request has asked for (sizes the wait of a push behind one)."""
 
     async def health(self) -> bool:
         """Whether ``/health`` answers 200 (False when it answers otherwise or not at all)."""
@@ -289,37 +300,65 @@ class HTTPEngine:
     async def _post_again_if_cut(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         """``_post`` of a call the server can take twice, sent again (up to ``CONTROL_ATTEMPTS``
         times, each with ``timeout``) when no answer came: a server that froze and came back resets
-        the connection the call was on. The last failure names the URL and every attempt."""
+        the connection the call was on. After a call's own deadline passed, it is sent again only
+        once ``/health`` answers (within ``health_timeout_s``): a server frozen for good fails it
+        then. The last failure names the URL and every attempt."""
         failures = []
         for attempt in range(1, CONTROL_ATTEMPTS + 1):
+            sent = attempt
             try:
                 return await self._post(path, body, timeout=timeout)
             except EngineUnreachable as e:
                 failures.append(str(e))
                 if attempt == CONTROL_ATTEMPTS:
                     break
+                if isinstance(e, EngineTimeout) and not await self._answers_within(self.cfg.health_timeout_s):
+                    failures.append(f"/health unanswered for {self.cfg.health_timeout_s:g} s since")
+                    break
                 log.warning("%s%s: no answer (%s); sending it again (attempt %d of %d)", self.url, path, e,
                             attempt + 1, CONTROL_ATTEMPTS)
                 await asyncio.sleep(CONTROL_RETRY_DELAY_S * attempt)
-        raise EngineUnreachable(f"{self.url}{path}: no answer in {CONTROL_ATTEMPTS} attempts of up to {timeout:g} s "
+        raise EngineUnreachable(f"{self.url}{path}: no answer in {sent} attempt(s) of up to {timeout:g} s "
                                 f"each: " + "; ".join(failures))
+
+    async def _answers_within(self, seconds: float) -> bool:
+        """Whether ``/health`` answers 200 within ``seconds`` (asked every few seconds)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status, _ = await self._on_io(self._transport.request("GET", f"{self.url}/health", None,
+                                                                      max(0.05, min(5.0, left))))
+                if status == 200:
+                    return True
+            except EngineUnreachable:
+                pass
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def generate_timeout_s(self, max_new_tokens: int) -> float:
         """The deadline of a generate call whose longest request asks for ``max_new_tokens``."""
         return min(self.cfg.request_timeout_s, GENERATE_BASE_S + GENERATE_S_PER_TOKEN * max_new_tokens)
 
-    def push_timeout_s(self, uri: str) -> float:
+    def push_timeout_s(self, uri: str, max_new_tokens: int = 0) -> float:
         """The deadline of a weight push of the snapshot at ``uri``: ``CONTROL_TIMEOUT_S`` plus its
-        size at ``PUSH_MIN_BYTES_PER_S``, at most ``request_timeout_s`` (which it is when this
-        process cannot see the snapshot's size)."""
+        size at ``PUSH_MIN_BYTES_PER_S``, plus, while generate calls are in flight (the server loads
+        once they are done), the deadline of one asking for ``max_new_tokens``; at most
+        ``request_timeout_s``, which it is when this process cannot see the snapshot's size (another
+        machine's path, or object storage it was given no options for)."""
         import fsspec
 
+        local = "://" not in uri or uri.startswith("file://")
+        if not local and not self.storage_options:
+            return self.cfg.request_timeout_s
         try:
             fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
             size = fs.du(path) if fs.isdir(path) else fs.size(path)
-        except Exception:  # noqa: BLE001 (another machine's path, no credentials here: the configured bound)
+        except Exception:  # noqa: BLE001 (not readable from here: the configured bound)
             return self.cfg.request_timeout_s
-        return min(self.cfg.request_timeout_s, CONTROL_TIMEOUT_S + size / PUSH_MIN_BYTES_PER_S)
+        waiting = self.generate_timeout_s(max_new_tokens) if self._watch.generating() else 0.0
+        return min(self.cfg.request_timeout_s, CONTROL_TIMEOUT_S + size / PUSH_MIN_BYTES_PER_S + waiting)
 
     async def _get(self, path: str, timeout: float = CONTROL_TIMEOUT_S) -> Any:
         return await self._call("GET", path, None, timeout)

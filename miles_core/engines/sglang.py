@@ -137,6 +137,7 @@ class SGLangEngine(HTTPEngine):
     async def _generate_now(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         body = request_body(requests)
         longest = max(r.sampling.max_new_tokens for r in requests)
+        self.longest_tokens = max(self.longest_tokens, longest)
         items = await self._post("/generate", body, timeout=self.generate_timeout_s(longest))
         if not isinstance(items, list) or len(items) != len(requests):
             got = f"{len(items)} results" if isinstance(items, list) else type(items).__name__
@@ -153,7 +154,7 @@ class SGLangEngine(HTTPEngine):
         Its deadline is sized to the snapshot (``push_timeout_s``), and a call cut off (a server
         frozen and back) is sent again: loading the same version twice is harmless."""
         body = {"model_path": uri, "weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
-        timeout = await asyncio.to_thread(self.push_timeout_s, uri)
+        timeout = await asyncio.to_thread(self.push_timeout_s, uri, self.longest_tokens)
         reply = await self._post_again_if_cut("/update_weights_from_disk", body, timeout)
         if isinstance(reply, dict) and reply.get("success") is False:  # an error status raised already
             raise EngineHTTPError(f"{self.url}/update_weights_from_disk", 200, str(reply.get("message")))

@@ -109,6 +109,7 @@ class VLLMEngine(HTTPEngine):
         if seed is not None:
             body["seed"] = seed
         url = f"{self.url}/v1/completions"
+        self.longest_tokens = max(self.longest_tokens, req.sampling.max_new_tokens)
         reply = await self._post("/v1/completions", body, timeout=self.generate_timeout_s(req.sampling.max_new_tokens))
         return parse_completion(reply, req.rid, version, url)
 
@@ -132,7 +133,7 @@ class VLLMEngine(HTTPEngine):
                 await self._post("/pause?mode=keep")
             try:
                 await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                                 timeout=await asyncio.to_thread(self.push_timeout_s, uri))
+                                 timeout=await asyncio.to_thread(self.push_timeout_s, uri, self.longest_tokens))
                 reloaded = True
                 await self._post("/reset_prefix_cache")
                 await self._post("/update_weight_version", {"new_version": str(version)})

@@ -21,7 +21,7 @@
   that can take long belongs in a worker process (``rewards.isolated``, as the math reward's).
   ``RewardStats`` has each call's time (``reward_seconds_p50``/``_p99``/``_max`` in a step's metrics).
   While scoring runs past ``SLOW_SCORING_LOG_S``, a warning says every so often how many calls
-  still run, so a slow reward service is visible before its deadline.
+  are done, running and waiting, so a slow reward service is visible before its deadline.
 """
 
 from __future__ import annotations
@@ -140,17 +140,17 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     per_group = getattr(fn, "per_group", False)
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
-    running = 0
+    running = done = 0
 
     async def timed(call: Callable[[], Awaitable[None]]) -> None:
-        nonlocal running
+        nonlocal running, done
         async with limit:
             t0 = time.perf_counter()
             running += 1
             try:
                 await call()
             finally:
-                running -= 1
+                running, done = running - 1, done + 1
             stats.call_seconds.append(time.perf_counter() - t0)
 
     todo = []
@@ -170,8 +170,9 @@ async def score_groups(fn: RewardFn, groups: list[Group], max_concurrency: int =
     t0 = time.monotonic()
     try:
         while not (await asyncio.wait({scoring}, timeout=SLOW_SCORING_LOG_S))[0]:
-            log.warning("reward %s: %d of %d calls still running after %.0f s (each has %g s, "
-                        "rollout.reward_timeout_s)", _name(fn), running, len(calls), time.monotonic() - t0, timeout_s)
+            log.warning("reward %s: %d of %d calls done after %.0f s, %d running, %d waiting for a slot (each "
+                        "has %g s, rollout.reward_timeout_s)", _name(fn), done, len(calls), time.monotonic() - t0,
+                        running, len(calls) - done - running, timeout_s)
     finally:
         scoring.cancel()  # only if this wait was interrupted: it is done otherwise
     scoring.result()

@@ -30,7 +30,8 @@ version of each generated span. A weight update lets in-flight requests finish u
 weights (their spans say so); with ``partial_rollout`` it aborts them and continues each one under
 the new weights as a new span. A failed generate call is retried ``generation_retries`` times,
 then its sample is marked FAILED with the error and counted; when the engine itself did not answer
-(``EngineUnreachable``), the producer stops with that error instead (a fleet replaces it, with an
+(``EngineUnreachable``: refused, reset, silent past its health deadline; not a request's own
+timeout), the producer stops with that error instead (a fleet replaces it, with an
 engine of its own). Groups that dynamic filters reject
 are counted per filter. On stop, unfinished groups are counted as abandoned, or, with
 ``partial_rollout``, written to the ``partial`` stream, which the next producer resumes first.
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
-from miles_core.engines.http import EngineUnreachable
+from miles_core.engines.http import EngineTimeout, EngineUnreachable
 from miles_core.rollout.filters import GroupFilters
 from miles_core.rollout.generate import CustomGenerate, GenerateContext, PromptItem, run_custom_generate
 from miles_core.types import Group, Sample, SampleStatus
@@ -503,7 +504,7 @@ class RolloutProducer:
                 attempts += 1
                 self.stats.generation_errors += 1
                 if attempts > self.acfg.generation_retries:
-                    if isinstance(e, EngineUnreachable):  # not this request's fault: the engine is gone
+                    if isinstance(e, EngineUnreachable) and not isinstance(e, EngineTimeout):  # the engine is gone
                         raise EngineUnreachable(f"rollout producer: its engine did not answer request {request.rid} "
                                                 f"{attempts} times; last: {e}") from e
                     traj.error = f"generation failed {attempts} times; last: {type(e).__name__}: {e}"

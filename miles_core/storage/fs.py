@@ -23,6 +23,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -302,7 +303,8 @@ def _is_missing_bucket(error: BaseException) -> bool:
 
 def _bucket_missing(what: str, fs: fsspec.AbstractFileSystem, error: BaseException) -> BucketMissingError:
     """The error for a bucket that is gone: which bucket, on which endpoint, at which object."""
-    bucket = what.removeprefix("s3://").removeprefix("s3a://").split("/", 1)[0]
+    found = re.search(r"s3a?://([^/\s]+)", what)  # ``what`` may be a label around the URI ("create s3://...")
+    bucket = found.group(1) if found else "?"
     return BucketMissingError(
         errno.ENOENT,
         f"{what}: bucket {bucket!r} does not exist on storage endpoint {endpoint_name(fs)} (the store said: "

@@ -179,6 +179,8 @@ class RunLayout:
         local = is_local(self.fs)
         folder = join(self.path, CHECKPOINTS, f"{PARTIAL_PREFIX}{checkpoint_dir(step).rsplit('/', 1)[-1]}-"
                                               f"{secrets.token_hex(3)}") if local else final
+        if not local:  # a checkpoint redone at this step stops counting as complete before its files change
+            self.remove(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}")
         try:
             write(to_url(self.fs, folder))
             self._call(lambda: atomic_write(self.fs, join(folder, CHECKPOINT_STATE),
@@ -186,9 +188,8 @@ class RunLayout:
             if local:
                 _replace_folder(folder, final)
         except BaseException:
-            if local or not self.fs.exists(join(final, CHECKPOINT_STATE)):
-                with contextlib.suppress(Exception):  # the write's own error is the one to report
-                    self.fs.rm(folder, recursive=True)
+            with contextlib.suppress(Exception):  # the write's own error is the one to report
+                self.fs.rm(folder, recursive=True)
             raise
         return to_url(self.fs, final)
 

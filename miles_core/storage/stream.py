@@ -189,8 +189,10 @@ class SampleStream:
         for offset in self.offsets():
             try:
                 self.read_segment(offset)
-            except SegmentDamaged as e:  # not a segment of another schema version: that is no damage
+            except SegmentDamaged as e:
                 out.append((offset, str(e)))
+            except ValueError:  # e.g. another schema version: no damage, and for its readers to report
+                pass
         return out
 
     def move_aside(self, offset: int, why: str) -> str:

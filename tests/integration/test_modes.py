@@ -176,7 +176,7 @@ def test_a_reward_that_never_returns_fails_a_fully_async_run_after_a_few_deadlin
     with pytest.raises(SkippedSteps, match=r"(?s)3 training steps in a row changed nothing.*step 1: 32 of 32 "
                                            r"samples had no valid reward \(reward: RewardTimeout: timed out after 1 s"):
         state.result()
-    assert time.monotonic() - started < 60, "a few deadlines, not one per sample"
+    assert time.monotonic() - started < 120, "a few deadlines, not one per sample (10 steps of 32: 320 s)"
 
 
 def test_extension_points_run_inside_the_flow(prefect_backend, demo_model, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 
 from miles_core.config import RunConfig, SGLangEngineConfig
 from miles_core.engines.base import GenerateRequest, SamplingParams
+from miles_core.engines.http import EngineTimeout
 from miles_core.engines.sglang import EngineHTTPError, EngineUnreachable, SGLangEngine, parse_weight_version
 
 URL = "http://engine.test:30000"
@@ -265,10 +266,18 @@ def test_a_weight_push_with_no_answer_is_sent_again_then_fails_naming_the_url(mo
     assert timeouts[0] == pytest.approx(http.CONTROL_TIMEOUT_S + 1000 / http.PUSH_MIN_BYTES_PER_S)
     assert engine.push_timeout_s(str(tmp_path / "nowhere")) == 600, "an unseen snapshot: the configured bound"
 
-    def silent(method, url, body):
-        raise EngineUnreachable(f"{url}: no answer within 1 s")
+    def refused(method, url, body):
+        raise EngineUnreachable(f"{url}: cannot reach the engine server (connection refused)")
 
-    engine, seen = fake_engine(silent)
-    with pytest.raises(EngineUnreachable, match=rf"^{URL}/update_weights_from_disk: no answer in 3 attempts"):
+    engine, seen = fake_engine(refused)
+    with pytest.raises(EngineUnreachable, match=rf"^{URL}/update_weights_from_disk: no answer in 3 attempt\(s\)"):
         asyncio.run(engine.update_weights(str(snapshot), 5))
     assert len(seen) == 3 and engine.weight_version == 0
+
+    def frozen(method, url, body):  # the push's own deadline passes, and /health stays silent
+        raise (EngineUnreachable if url.endswith("/health") else EngineTimeout)(f"{url}: no answer within 1 s")
+
+    engine = SGLangEngine(URL, SGLangEngineConfig(url=URL, health_timeout_s=0.3), transport=FakeTransport(frozen))
+    _made.append(engine)
+    with pytest.raises(EngineUnreachable, match=r"no answer in 1 attempt\(s\) .*/health unanswered for 0\.3 s since"):
+        asyncio.run(engine.update_weights(str(snapshot), 5))
