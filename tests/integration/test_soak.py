@@ -53,8 +53,12 @@ def _soak(api_url: str, tmp_path: Path, model_dir, flags: tuple[str, ...], total
         proc = _miles_train(tmp_path, model_dir, *flags, command=command, api_url=api_url)
         session = _run_session(proc)
         target = steps(tmp_path) + 2 + rng.randrange(stride)  # a few steps after where this start resumes
+        wait_for(lambda: steps(tmp_path) >= target - 1 or proc.poll() is not None, 240, f"step {target - 1}",
+                 poll=0.02)
+        before = time.monotonic()
         wait_for(lambda: steps(tmp_path) >= target or proc.poll() is not None, 240, f"step {target}", poll=0.02)
-        time.sleep(rng.random() * 0.3)  # anywhere inside the next step or two
+        step_s = time.monotonic() - before
+        time.sleep(rng.random() * min(0.3, 2 * step_s))  # anywhere inside the next step or two, however fast
         os.killpg(session, signal.SIGKILL)
         proc.kill()
         proc.wait(timeout=30)
