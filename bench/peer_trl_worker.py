@@ -2,7 +2,9 @@
 
 Run by the driver, not by hand: ``<trl venv>/bin/python bench/peer_trl_worker.py SPEC.json``.
 This file imports only TRL, transformers, datasets and torch (nothing of this project), so TRL
-runs exactly as a TRL user would run it. SPEC names the starting model folder, the training rows
+runs exactly as a TRL user would run it (``answer_matches``, the arithmetic task's reward, lives here
+so that ours can use the very same function). SPEC names the task (``toy``: exact match; ``arith``:
+conversational prompts, ``answer_matches``), the starting model folder, the training rows
 (``{"prompt", "label"}``), the hyperparameters and an output folder; the worker trains
 ``steps`` optimizer steps, saves the policy's state dict after every ``snapshot_every``-th step
 (``snapshots/step-000005.safetensors``; the time spent saving is subtracted from the training
@@ -14,10 +16,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import time
 from pathlib import Path
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def answer_matches(text: str, label: str) -> float:
+    """The arithmetic task's reward, for TRL and ours alike: 1.0 when the last number in ``text``
+    is ``label`` ("122", "122.", "The answer is 122"), else 0.0."""
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return 1.0 if numbers and float(numbers[-1]) == float(label) else 0.0
+
+
+def answer_reward(sample) -> float:
+    """``answer_matches`` as our per-sample reward (``rollout.reward = "bench.peer_trl_worker:answer_reward"``)."""
+    return answer_matches(sample.response, sample.label)
 
 
 def main(spec_path: str) -> None:
@@ -38,9 +55,13 @@ def main(spec_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     rows = spec["rows"]
-    train = datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "label": [r["label"] for r in rows]})
+    chat = spec.get("task") == "arith"  # conversational prompts: TRL applies the model's chat template
+    prompts = [[{"role": "user", "content": r["prompt"]}] if chat else r["prompt"] for r in rows]
+    train = datasets.Dataset.from_dict({"prompt": prompts, "label": [r["label"] for r in rows]})
 
-    def exact_match(completions: list[str], label: list[str], **_: object) -> list[float]:
+    def exact_match(completions: list, label: list[str], **_: object) -> list[float]:
+        if chat:  # each completion is its messages; the task's reward reads the answer's last number
+            return [answer_matches(c[0]["content"], a) for c, a in zip(completions, label)]
         # the toy task's reward: the response, stripped, is exactly the label
         return [1.0 if c.strip() == str(a).strip() else 0.0 for c, a in zip(completions, label)]
 
@@ -94,7 +115,7 @@ def main(spec_path: str) -> None:
         save_strategy="no",
         report_to=[],
         disable_tqdm=True,
-        gradient_checkpointing=False,  # on by default in TRL; recomputation only slows a model this small
+        gradient_checkpointing=False,  # on by default in TRL; ours runs without it too
         dataloader_num_workers=0,
     )
     clock = Clock()
