@@ -334,7 +334,8 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
     ]
     to_last = {}
     for system, runs in results.items():
-        steps = [b - a for r in runs for a, b in zip([0.0, *r["seconds"]], r["seconds"])][2:]
+        all_steps = [b - a for r in runs for a, b in zip([0.0, *r["seconds"]], r["seconds"])]
+        steps = all_steps[2:] or all_steps  # past the first two (warm-up) when there are more
         step = med(steps)
         cells = []
         for d in deltas:

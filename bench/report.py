@@ -24,6 +24,7 @@ TITLES = {
     "peer_trl_async": "What costs the async modes their extra steps (bench/peer_trl.py --systems ...)",
     "peer_trl_beta2": "AdamW beta2 0.99 vs 0.999 (bench/peer_trl.py --systems sync,sync+beta2=0.999)",
     "peer_trl": "Against TRL's GRPOTrainer, the same work to the same accuracy (bench/peer_trl.py)",
+    "peer_trl_smollm2": "Against TRL's GRPOTrainer on SmolLM2-135M-Instruct (bench/peer_trl.py --model smollm2-135m-instruct)",
     "real_model": "A real model: memory and disk of SmolLM2-135M-Instruct runs (bench/real_model.py)",
     "rewards": "Rewards: the math reward against math-verify alone, and each reward's time per call (bench/rewards.py)",
     "real_model-vllm": "A real model on the vLLM engine (bench/real_model.py)",
