@@ -168,7 +168,51 @@ def run_ours(system: str, spec: dict) -> dict:
         if not path.exists():
             raise SystemExit(f"{system}: weight version {step} is missing under {run_dir / 'weights'}")
         snapshots[step] = str(path)
-    return {"seconds": seconds, "snapshots": snapshots, **usage, "staleness": max(r.get("staleness_max", 0.0) for r in rows)}
+    return {"seconds": seconds, "snapshots": snapshots, **usage, "staleness": max(r.get("staleness_max", 0.0) for r in rows),
+            "parts": step_parts(rows)}
+
+
+PARTS = {  # a part of our step: (its column, the metrics key it is the median of)
+    "wait": ("waiting for rollout data", "trainer_wait_seconds"),
+    "train": ("train (old logprobs, forward, backward, AdamW)", "train_seconds"),
+    "push": ("weight push", "push_seconds"),
+    "rollout": ("rollout (generate + reward)", "rollout_seconds"),
+    "reward": ("slowest reward call", "reward_seconds_max"),
+}
+
+
+def step_parts(rows: list[dict]) -> dict[str, float]:
+    """Where one of our steps goes: the median of each part over the steps past the first two (the
+    run's metrics.jsonl rows), and what the step spent outside them (reading the batch, Prefect's
+    task runs, the metrics line)."""
+    rows = rows[2:] or rows
+    parts = {name: statistics.median(r[key] for r in rows) for name, (_, key) in PARTS.items()
+             if all(key in r for r in rows)}
+    parts["step"] = statistics.median(r["step_seconds"] for r in rows)
+    parts["other"] = statistics.median(r["step_seconds"] - sum(r.get(PARTS[k][1], 0.0) for k in ("wait", "train", "push"))
+                                       for r in rows)
+    return parts
+
+
+def render_parts(results: dict[str, list[dict]]) -> list[str]:
+    """The table of where our steps go (median over seeds of each run's medians)."""
+    ours = {system: runs for system, runs in results.items() if system != "trl" and all("parts" in r for r in runs)}
+    if not ours:
+        return []
+    cols = ["wait", "train", "push", "other", "rollout", "reward"]
+    lines = ["", "Where our steps go (seconds, medians over the steps past the first two; a step is waiting + train + "
+             "push + other; in async modes the rollout runs beside the step, in sync mode it is the wait):", "",
+             "| system | step | " + " | ".join(PARTS[c][0] if c in PARTS else "other (batch read, Prefect task runs, "
+                                                   "metrics)" for c in cols) + " |",
+             "|---|---:|" + "---:|" * len(cols)]
+    for system, runs in ours.items():
+        cell = lambda c: (f"{statistics.median(r['parts'][c] for r in runs):.2f}"  # noqa: E731
+                          if all(c in r["parts"] for r in runs) else "")
+        lines.append(f"| {system} | {cell('step')} | " + " | ".join(cell(c) for c in cols) + " |")
+    lines += ["", "Weight push: sync's rollout engine generates with the trainer's own weights (a push is a version "
+              "number); async pushes a snapshot to its engine server; fully async's trainer publishes a snapshot inside "
+              "its train task and the producers load it themselves, beside the trainer (no push in the step)."]
+    return lines
 
 
 def _snapshot_steps(spec: dict) -> list[int]:
@@ -332,7 +376,7 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
         "run wall s | CPU-s per run | peak RSS MB | vs TRL, time to the last target |",
         "|---|---:|---:|---:|---:|" + "---:|" * len(deltas) + "---|---:|---:|---:|---:|",
     ]
-    to_last = {}
+    to_last, to_each = {}, {}
     for system, runs in results.items():
         all_steps = [b - a for r in runs for a, b in zip([0.0, *r["seconds"]], r["seconds"])]
         steps = all_steps[2:] or all_steps  # past the first two (warm-up) when there are more
@@ -343,6 +387,7 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
             reached = [p for p in per if p is not None]
             m = med(reached) if len(reached) == len(per) else None
             cells.append(f"{fmt(m)} ({', '.join(fmt(p) for p in per)})")
+            to_each[system, d] = m
             if d == deltas[-1]:
                 to_last[system] = m
         per_steps = [steps_to(r["acc"], deltas[-1]) for r in runs]
@@ -355,15 +400,20 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
                      f"{med([r['wall'] for r in runs]):.0f} | {med([r['cpu_seconds'] for r in runs]):.0f} | {med([r['peak_rss_mb'] for r in runs]):.0f} | {ratio} |")
     lines += ["", "vs TRL: TRL's time to the last target / this system's (above 1: faster than TRL). Run wall and "
               "CPU-s per run: the whole process (tree), start-up and the end included (ours: the Prefect server, the engine and producer processes)."]
+    lines += render_parts(results)
     if "trl" in to_last:
-        lines += ["", "Goals: sync reaches the last target in at most 0.67x TRL's training time, an async mode in "
+        lines += ["", "Goals: sync reaches each target in at most 0.67x TRL's training time, an async mode in "
                       "at most 0.5x:"]
-        for system, t in to_last.items():
-            if system != "trl":
-                bound = 0.67 if parse_system(system)[0] == "sync" else 0.5
-                ok = t is not None and to_last["trl"] is not None and t <= bound * to_last["trl"]
-                lines.append(f"- {system}, +{deltas[-1]:g}: {'MET' if ok else 'NOT MET'} ({fmt(t)} s vs TRL "
-                             f"{fmt(to_last['trl'])} s; goal {bound}x)")
+        for system in results:
+            if system == "trl":
+                continue
+            bound = 0.67 if parse_system(system)[0] == "sync" else 0.5
+            for d in deltas:
+                t, base = to_each[system, d], to_each["trl", d]
+                ok = t is not None and base is not None and t <= bound * base
+                ratio = "" if t is None or base is None else f", {t / base:.2f}x"
+                lines.append(f"- {system}, +{d:g}: {'MET' if ok else 'NOT MET'} ({fmt(t)} s vs TRL {fmt(base)} s{ratio}; "
+                             f"goal {bound}x)")
     return "\n".join(lines) + "\n"
 
 
@@ -387,6 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deltas", type=float, nargs="+", help="accuracy gains over the start to time")
     parser.add_argument("--ours", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peer_trl.md"))
+    parser.add_argument("--render", metavar="JSON", help="print the table again from a run's measurements (the "
+                        "JSON file written beside --out), with this script's current table; nothing runs")
     args = parser.parse_args(argv)
     if args.ours:
         return ours_child(args.ours)
@@ -394,6 +446,14 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in task.items():
         if key not in ("task", "model") and getattr(args, key) is None:
             setattr(args, key, value)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        for key, value in saved["args"].items():
+            setattr(args, key, value)
+        results = {system: [{**r, "acc": {int(k): v for k, v in r["acc"].items()}} for r in runs]
+                   for system, runs in saved["results"].items()}
+        print(render(results, args, tuple(saved["load"]), saved["versions"]))
+        return None
 
     from miles_core.config import ModelConfig, ToyDataConfig
     from miles_core.data.toy import toy_problems
@@ -429,9 +489,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  train {r['seconds'][-1]:.1f} s, accuracy " +
                       " ".join(f"{s}:{a:.3f}" for s, a in sorted(r["acc"].items())), file=sys.stderr)
                 results[system].append(r)
-    text = render(results, args, (load_before, os.getloadavg()[0]), versions)
+    load = (load_before, os.getloadavg()[0])
+    text = render(results, args, load, versions)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    measured = {system: [{k: v for k, v in r.items() if k != "snapshots"} for r in runs] for system, runs in results.items()}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(
+        {"args": {k: getattr(args, k) for k in ("model", "steps", "prompts", "max_len", "lr", "temperature", "micro_batch",
+                                                 "seeds", "snapshot_every", "eval_prompts", "deltas")},
+         "load": load, "versions": versions, "results": measured}, indent=1))
     cmd = " ".join(["python bench/peer_trl.py", *(argv if argv is not None else sys.argv[1:])])
     Path(args.out).write_text(f"Command: `.venv/bin/{cmd}`\n\n{text}")
 
