@@ -1,10 +1,15 @@
 """Where a training step goes: ``bench/train_step.py --profile`` (this module does the work).
 
-One process, one torch thread, the demo's model (``ModelConfig()``: the warm-started tiny Llama,
-built once and cached) and the trainer of the default ``TrainConfig``. Two workloads:
+One process, one torch thread. ``--model tiny`` (the default): the demo's model (``ModelConfig()``:
+the warm-started tiny Llama, built once and cached) and the trainer of the default ``TrainConfig``,
+two workloads:
 
 - ``toy``: the demo's shape, 32 prompts x 8 samples, addition prompts, responses of 1-4 tokens;
 - ``generation-heavy``: the same batch with responses of 48-64 tokens.
+
+``--model smollm2-135m-instruct``: SmolLM2-135M-Instruct and ``configs/smollm2-arith.toml``'s
+trainer (micro-batches of 8 samples), 8 prompts x 8 samples with responses of 4-16 tokens (``arith``,
+that config's shape).
 
 Each step goes through the run's path: the producer's segment is written (untimed), then read and
 decoded, the advantages computed, the trainer steps (its parts timed by wrapping the functions it
@@ -32,7 +37,9 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-WORKLOADS = {"toy": (1, 4), "generation-heavy": (48, 64)}
+# per model: (prompts a step, micro-batch size, {workload: response lengths})
+MODELS = {"tiny": (32, None, {"toy": (1, 4), "generation-heavy": (48, 64)}),
+          "smollm2-135m-instruct": (8, 8, {"arith": (4, 16)})}
 # the parts of the trainer's step that are timed by wrapping; "other (trainer)" is the rest of it
 TIMED_IN_STEP = ["collate + pad", "old-logprob forward", "reference forward", "loss forward", "backward",
                  "clip grad norm", "optimizer (AdamW)"]
@@ -102,12 +109,13 @@ def toy_groups(tokenizer, prompts: int, per_prompt: int, lengths: tuple[int, int
     return groups
 
 
-def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, float], float, int, int, float, float]:
+def profile_workload(model_dir: str, lengths: tuple[int, int], steps: int, cfg, prompts: int
+                     ) -> tuple[dict[str, float], float, int, int, float, float]:
     """(median seconds per part, median whole step, tokens per batch, padded width, the bare limit,
     the plain-pass trainer's step)."""
     import torch
 
-    from miles_core.config import HFEngineConfig, TrainConfig
+    from miles_core.config import HFEngineConfig
     from miles_core.engines.hf import HFEngine
     from miles_core.storage import WeightStore
     from miles_core.storage.stream import SampleStream
@@ -117,7 +125,6 @@ def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, f
     from miles_core.types import regroup
 
     root = tempfile.mkdtemp(prefix="step-profile-")
-    cfg = TrainConfig()
     store = WeightStore(os.path.join(root, "weights"))
     trainer = setup_trainer(cfg, model_dir, store, "float32")
     engine = HFEngine(model_dir, HFEngineConfig())
@@ -131,14 +138,13 @@ def profile_workload(model_dir: str, name: str, steps: int) -> tuple[dict[str, f
     clock.wrap(trainer.optimizer, "step", "optimizer (AdamW)")
     clock.wrap(torch.autograd, "backward", "backward")
     clock.wrap(torch.nn.utils, "clip_grad_norm_", "clip grad norm")
-    lengths = WORKLOADS[name]
-    bare = BareLoop(model_dir)
+    bare = BareLoop(model_dir, cfg)
     plain = setup_trainer(cfg.model_copy(update={"share_prompt_forward": False}), model_dir, store, "float32")
     whole, limit, plain_steps = [], [], []
     tokens = width = 0
     try:
         for i in range(steps + 2):
-            offset = stream.append(toy_groups(engine.tokenizer, 32, 8, lengths, seed=i))
+            offset = stream.append(toy_groups(engine.tokenizer, prompts, 8, lengths, seed=i))
             t0 = time.perf_counter()
             with clock.part("read + decode segment"):
                 groups = regroup(stream.read_segment(offset).samples())
@@ -176,13 +182,10 @@ class BareLoop:
     loop, on its own copy of the model. Stepped right after each of our steps, on the same batch,
     so load on the machine falls on both alike."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, cfg) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from miles_core.config import TrainConfig
-
-        cfg = TrainConfig()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
@@ -204,44 +207,47 @@ class BareLoop:
         return time.perf_counter() - t0
 
 
-def main(steps: int) -> str:
+def main(steps: int, model: str = "tiny") -> str:
     import torch
 
     from miles_core.config import ModelConfig, TrainConfig
     from miles_core.models import ensure_model
 
     torch.set_num_threads(1)
-    model_dir = str(ensure_model(ModelConfig(), log=lambda *_: None))
+    prompts, micro_batch, workloads = MODELS[model]
+    cfg = TrainConfig() if micro_batch is None else TrainConfig(micro_batch_size=micro_batch)
+    model_dir = str(ensure_model(ModelConfig() if model == "tiny" else ModelConfig(path=model), log=lambda *_: None))
     load = os.getloadavg()
-    results = {name: profile_workload(model_dir, name, steps) for name in WORKLOADS}
+    results = {name: profile_workload(model_dir, lengths, steps, cfg, prompts) for name, lengths in workloads.items()}
+    described = "the demo's tiny Llama (`ModelConfig()`)" if model == "tiny" else model
     lines = [
-        f"Model: the demo's tiny Llama (`ModelConfig()`), fp32, one torch thread; `TrainConfig()` defaults "
-        f"(micro-batch {TrainConfig().micro_batch_size}). "
-        f"Batch: 32 prompts x 8 samples. Median of {steps} steps after 2 warm-up steps. "
+        f"Model: {described}, fp32, one torch thread; `TrainConfig()` defaults, micro-batch "
+        f"{cfg.micro_batch_size}. "
+        f"Batch: {prompts} prompts x 8 samples. Median of {steps} steps after 2 warm-up steps. "
         f"Load average at the start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}.",
         "",
-        "| part | " + " | ".join(f"{n} (ms) | share" for n in WORKLOADS) + " |",
-        "|---|" + "---:|---:|" * len(WORKLOADS),
+        "| part | " + " | ".join(f"{n} (ms) | share" for n in workloads) + " |",
+        "|---|" + "---:|---:|" * len(workloads),
     ]
     for part in PARTS:
         cells = []
-        for name in WORKLOADS:
+        for name in workloads:
             parts, whole = results[name][0], results[name][1]
             ms = parts.get(part, 0.0) * 1e3
             cells.append(f"{ms:.1f} | {ms / (whole * 1e3):.0%}")
         lines.append(f"| {part} | " + " | ".join(cells) + " |")
-    lines.append("| **whole step** | " + " | ".join(f"**{results[n][1] * 1e3:.1f}** | 100%" for n in WORKLOADS) + " |")
-    trainer = {n: sum(results[n][0].get(p, 0.0) for p in TRAINER_PARTS) for n in WORKLOADS}
+    lines.append("| **whole step** | " + " | ".join(f"**{results[n][1] * 1e3:.1f}** | 100%" for n in workloads) + " |")
+    trainer = {n: sum(results[n][0].get(p, 0.0) for p in TRAINER_PARTS) for n in workloads}
     lines.append("| trainer step (collate .. optimizer) | " + " | ".join(
-        f"{trainer[n] * 1e3:.1f} | " for n in WORKLOADS) + " |")
+        f"{trainer[n] * 1e3:.1f} | " for n in workloads) + " |")
     lines.append("| **limit: bare forward + backward + AdamW** | " + " | ".join(
-        f"**{results[n][4] * 1e3:.1f}** | " for n in WORKLOADS) + " |")
+        f"**{results[n][4] * 1e3:.1f}** | " for n in workloads) + " |")
     lines.append("| trainer step / limit | " + " | ".join(
-        f"{trainer[n] / results[n][4]:.2f}x | " for n in WORKLOADS) + " |")
+        f"{trainer[n] / results[n][4]:.2f}x | " for n in workloads) + " |")
     lines.append("| trainer step, plain pass (`share_prompt_forward = false`) | " + " | ".join(
-        f"{results[n][5] * 1e3:.1f} | " for n in WORKLOADS) + " |")
+        f"{results[n][5] * 1e3:.1f} | " for n in workloads) + " |")
     lines.append("| plain-pass trainer step / limit | " + " | ".join(
-        f"{results[n][5] / results[n][4]:.2f}x | " for n in WORKLOADS) + " |")
+        f"{results[n][5] / results[n][4]:.2f}x | " for n in workloads) + " |")
     lines.append("| tokens per batch (padded width) | " + " | ".join(
-        f"{results[n][2]} ({results[n][3]}) | " for n in WORKLOADS) + " |")
+        f"{results[n][2]} ({results[n][3]}) | " for n in workloads) + " |")
     return "\n".join(lines)

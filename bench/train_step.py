@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only cases whose name contains one of these")
     parser.add_argument("--profile", action="store_true",
                         help="break one training step of the demo's model into its parts (bench/step_profile.py)")
+    parser.add_argument("--model", default="tiny", help="--profile: tiny (the demo's) or smollm2-135m-instruct")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -217,9 +218,10 @@ def main() -> None:
     if args.profile:
         import step_profile
 
-        table = step_profile.main(args.steps)
+        table = step_profile.main(args.steps, args.model)
         print(table)
-        out = ROOT / "bench" / "results" / "train_step_profile.md"
+        suffix = "" if args.model == "tiny" else "_smollm2"
+        out = ROOT / "bench" / "results" / f"train_step_profile{suffix}.md"
         out.write_text(f"`.venv/bin/python bench/train_step.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
         return
 
