@@ -71,7 +71,7 @@ def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
     if "rollout_seconds" in row:
         line += f" | gen {row['rollout_tokens_per_s']:,.0f} tok/s | rollout {row['rollout_seconds']:.1f}s"
     else:  # fully async: the producer's side
-        line += f" | producer {row.get('async/producer_throughput_qps', 0.0):,.0f} samples/s"
+        line += f" | producer {row.get('async/producer_throughput_qps', 0.0):,.2f} samples/s"
     line += f" | train {row['train_seconds']:.1f}s push {row['push_seconds']:.2f}s | waited {row['trainer_wait_seconds']:.1f}s"
     if row.get("staleness_max"):
         line += f" | staleness max {row['staleness_max']:.0f}"

@@ -328,6 +328,11 @@ class RolloutProducer:
         self._routed = 0  # groups started on a route so far (round robin)
         self._error: BaseException | None = None
         self._seen_weights_at = 0.0
+        self._loading: asyncio.Task | None = None
+        self._pausing: asyncio.Task | None = None
+        """The weight load in progress: it runs beside the loop, which keeps beating and obeying
+        the control plane meanwhile (a real model's load, after the generations in flight, can
+        outlast a heartbeat timeout)."""
         self._writer: StreamWriter | None = None
         self.abandoned_groups: dict[int, int] = {}
         """Group index -> prompt row of each group cut short by stop and not saved as partial (a
@@ -349,7 +354,8 @@ class RolloutProducer:
 
     async def resume(self) -> None:
         self._paused = False
-        self._gate.set()
+        if self._loading is None:  # else the load opens the gate when it is done
+            self._gate.set()
 
     # --------------------------------------------------------------------------------- the loop
 
@@ -388,6 +394,9 @@ class RolloutProducer:
             self._update_clock(started)
             for work in list(self._works):
                 for task in work.tasks:
+                    task.cancel()
+            for task in (self._loading, self._pausing):
+                if task is not None:
                     task.cancel()
             await asyncio.to_thread(self._writer.close)
         await asyncio.to_thread(self._save_state, "stopped")
@@ -634,10 +643,11 @@ class RolloutProducer:
         if now - self._seen_weights_at < self.acfg.weight_poll_s:
             return
         self._seen_weights_at = now
-        if self.weights is not None:
+        if self.weights is not None and self._loading is None:
             latest = await asyncio.to_thread(self.weights.latest)
             if latest is not None and latest > self.engine.weight_version:
-                await self._update_weights(latest)
+                self._gate.clear()  # nothing new starts from now until the load is done
+                self._loading = self._spawn(self._update_weights(latest))
         if self.acfg.unused_samples_handler == "retry" and not hasattr(self.prompts, "take"):
             await asyncio.to_thread(self._take_recycled)  # claimed prompts' come back through the prompt log
 
@@ -649,14 +659,22 @@ class RolloutProducer:
         signal = await asyncio.to_thread(self.link.poll, self)
         if signal.stop:
             self._stop.set()
-        if signal.pause_holders and not self._paused_for:
-            await self.pause()
-            self._paused_for = list(signal.pause_holders)
-            await asyncio.to_thread(self.link.poll, self, True)  # say so now: the holder waits for it
+        if signal.pause_holders and not self._paused_for and self._pausing is None:
+            # drained beside the loop, which keeps beating meanwhile (generations in flight can take
+            # longer than a heartbeat timeout to finish)
+            self._pausing = self._spawn(self._pause_for(list(signal.pause_holders)))
         elif not signal.pause_holders and self._paused_for:
             self._paused_for = []
             await self.resume()
             await asyncio.to_thread(self.link.poll, self, True)
+
+    async def _pause_for(self, holders: list[str]) -> None:
+        try:
+            await self.pause()
+            self._paused_for = holders
+            await asyncio.to_thread(self.link.poll, self, True)  # say so now: the holder waits for it
+        finally:
+            self._pausing = None
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """What this producer says of itself in its heartbeat."""
@@ -685,6 +703,7 @@ class RolloutProducer:
                 await self.engine.abort()
             await self.engine.update_weights(self.weights.uri(version), version)
         finally:
+            self._loading = None
             if not self._paused:
                 self._gate.set()
         self.stats.weight_updates += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from typing import Any
 
@@ -20,8 +21,10 @@ from miles_core.loop import LoopThread
 from miles_core.rewards import score_groups
 from miles_core.rollout.buffer import DefaultDataBuffer, make_buffer
 from miles_core.rollout.consumer import GroupFeed, ProducerEnded
+from miles_core.rollout.fleet import ControlPlane, Heartbeat
 from miles_core.rollout.generate import PromptItem
 from miles_core.rollout.producer import RolloutProducer
+from miles_core.rollout.worker import ProducerLink
 from miles_core.storage import RunLayout, SampleStream, WeightStore
 from miles_core.types import Group, Sample, SampleStatus
 
@@ -321,6 +324,56 @@ def test_new_weights_reach_the_engine_and_in_flight_finish_under_the_old(harness
     assert (0, (0,)) in versions, "requests in flight at the update finish under v0 and say so"
     assert (1, (1,)) in versions
     assert all(len(s.span_versions) == 1 for g in groups for s in g.samples)
+
+
+class HeldLoadEngine(ScriptedEngine):
+    """``update_weights`` waits until the test lets it go (a real model's load behind long generations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loading, self.release = threading.Event(), threading.Event()
+
+    async def update_weights(self, uri: str, version: int) -> None:
+        self.loading.set()
+        await asyncio.to_thread(self.release.wait, 30)
+        await super().update_weights(uri, version)
+
+
+class CountingLink(ProducerLink):
+    """Sets ``beat_while_loading`` once the producer has beaten twice while its engine was loading."""
+
+    def __init__(self, engine: HeldLoadEngine, run_dir: str) -> None:
+        super().__init__(ControlPlane(run_dir), Heartbeat("p0", "running"), heartbeat_s=0.001)
+        self.engine, self.during_load, self.beat_while_loading = engine, 0, threading.Event()
+
+    def beat(self, **fields: Any) -> None:
+        super().beat(**fields)
+        if self.engine.loading.is_set() and not self.engine.release.is_set():
+            self.during_load += 1
+            if self.during_load >= 2:
+                self.beat_while_loading.set()
+
+
+def test_a_producer_keeps_beating_and_obeying_while_its_engine_loads_weights(harness):
+    """A load that outlasts the heartbeat timeout (SmolLM2 behind 256-token generations on a busy core
+    took over 10 s) must not make the trainer declare a live producer dead: the load runs beside the
+    loop, which keeps beating, and nothing new is submitted until it is done."""
+    engine = HeldLoadEngine()
+    h = harness(engine=engine, control_poll_s=0.001)
+    link = CountingLink(engine, h.layout.run_dir)
+    h.producer = RolloutProducer(h.cfg, engine, h.prompts, score, h.stream, h.layout, h.weights, h.sampling,
+                                 tokenizer=CharTokenizer(), link=link)
+    h.start()
+    h.wait_until(lambda: engine.requests)
+    h.publish(1)
+    assert engine.loading.wait(10), "the producer never loaded v1"
+    submitted = len(engine.requests)
+    assert link.beat_while_loading.wait(10), f"{link.during_load} heartbeats while the engine loaded"
+    assert len(engine.requests) == submitted, "no request is submitted while the weights load"
+    engine.release.set()
+    h.wait_until(lambda: engine.weight_version == 1)  # (no more requests need follow: no feed consumes here)
+    stats = h.stop()
+    assert stats.weight_updates == 1
 
 
 def test_partial_rollout_continues_under_new_weights_with_stamped_spans(harness):
