@@ -11,8 +11,15 @@ process:
 - **tokens/s at c concurrent requests**: 2c requests (8 at c = 1) of toy prompts (``37+45=``, 6
   tokens), ``--tokens`` new tokens at most, temperature 1, one seed each, at most c in flight;
   generated tokens (what came back, EOS included) over the wall time;
+- **first token, alone**: the median latency of a one-token request with nothing else in flight
+  (prefill of the 6-token prompt and one decode step, over HTTP for the servers): the engine's time
+  to first token when idle (the engines' API is not streamed, so under load it is not separable);
 - **weight-push pause**: from the start of ``update_weights`` with a new snapshot (the weights
   scaled by 1.01, written before the clock starts) to the first request served by it (one token);
+- **adapter push pause** (``--adapters``, a case of its own: a vLLM server is then launched with
+  LoRA enabled): a rank-8 PEFT adapter on every projection loaded under a name, then a second
+  version of it loaded under the same name (what a LoRA run does each step), timed from the start
+  of that ``load_adapter`` to the first request served with it (one token);
 - **peak RSS**: the largest resident set of the engine's processes during the measurements,
   summed (the case's own process for the in-process engine; the server's processes otherwise);
 - **start**: from launching the engine to its first answer.
@@ -24,7 +31,8 @@ process:
 
 Cores: the servers are pinned to core 1 with one thread; the in-process engine runs on the case's
 own process with one thread (the client, on core 0 for the servers, shares its core with it).
-Writes ``bench/results/engines.md``; the load average before and after is in the table's notes.
+Writes ``bench/results/engines.md`` (``--out``: another name); the load average before and after is
+in the table's notes.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ def model_dir(name: str) -> str:
     return str(folder)
 
 
-def make_engine(kind: str, model: str):
+def make_engine(kind: str, model: str, lora: bool = False):
     from miles_core.config import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
     from miles_core.engines import setup_engine
 
@@ -81,7 +89,55 @@ def make_engine(kind: str, model: str):
            "stand-in": SGLangEngineConfig(num_threads=1, cpu_affinity=cores, max_batch_size=256, coalesce_window_s=0),
            "vllm": VLLMEngineConfig(num_threads=1, cpu_affinity=cores, max_num_seqs=256, max_model_len=128,
                                     kv_cache_gb=2)}[kind]
-    return setup_engine(cfg, model, log_dir=str(ROOT / ".cache" / "bench-engines" / "logs"))
+    return setup_engine(cfg, model, lora=lora, log_dir=str(ROOT / ".cache" / "bench-engines" / "logs"))
+
+
+def new_adapter(model: str, folder: Path, seed: int) -> str:
+    """A rank-8 LoRA adapter on every projection of ``model`` in PEFT's folder format, its B matrices
+    random (a trained adapter's, not PEFT's zeros, so that loading it changes what the model says)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    peft.save_pretrained(str(folder))
+    return str(folder)
+
+
+def adapter_case(kind: str, model_name: str) -> dict:
+    """The adapter push pause of one engine (see the docstring)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from miles_core.engines.base import GenerateRequest, SamplingParams
+
+    torch.set_num_threads(1)
+    model = model_dir(model_name)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-engines-lora-"))
+    first, second = new_adapter(model, tmp / "v1", 1), new_adapter(model, tmp / "v2", 2)
+    prompt = AutoTokenizer.from_pretrained(model).encode("37+45=")
+    engine = make_engine(kind, model, lora=True)
+
+    async def body() -> dict:
+        one = lambda: GenerateRequest(prompt, SamplingParams(max_new_tokens=1), adapter="bench")  # noqa: E731
+        await engine.load_adapter("bench", first, 1)
+        await engine.generate([one()])
+        t0 = time.perf_counter()
+        await engine.load_adapter("bench", second, 2)
+        (served,) = await engine.generate([one()])
+        pause = time.perf_counter() - t0
+        assert served.weight_version == 2, served
+        await engine.close()
+        return {"engine": kind, "model": model_name, "adapter_push_ms": 1000 * pause}
+
+    return asyncio.run(body())
 
 
 def new_snapshot(model: str, folder: Path) -> str:
@@ -179,6 +235,11 @@ def run_case(kind: str, model_name: str, levels: list[int], tokens: int) -> dict
         await engine.generate(requests(1, 0, 1))
         started = time.perf_counter() - t0
         await load(8, 16, 1000)  # warm-up
+        alone = []
+        for i in range(5):
+            t = time.perf_counter()
+            await engine.generate(requests(1, 500 + i, 1))
+            alone.append(time.perf_counter() - t)
         _reset_peaks(own if kind == "hf" else [p for p in _tree(os.getpid()) if p != os.getpid()])
         rows = {}
         for c in levels:
@@ -196,7 +257,7 @@ def run_case(kind: str, model_name: str, levels: list[int], tokens: int) -> dict
         peak = sum(_status_kib(p, "VmHWM") for p in pids) / 1024
         await engine.close()
         return {"engine": kind, "model": model_name, "start_s": started, "levels": rows, "push_ms": 1000 * pause,
-                "peak_mib": peak, "processes": len(pids)}
+                "first_token_ms": 1000 * sorted(alone)[2], "peak_mib": peak, "processes": len(pids)}
 
     return asyncio.run(body())
 
@@ -207,12 +268,15 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--adapters", action="store_true", help="also the adapter push pause of each engine")
+    parser.add_argument("--out", default="engines", help="results name under bench/results (.md and .json)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # ENGINE:MODEL, run in this process (a child)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.case:
-        kind, model_name = args.case.split(":")
-        result = ceiling_case(model_name, levels) if kind == CEILING else run_case(kind, model_name, levels, args.tokens)
+        kind, model_name, *what = args.case.split(":")
+        result = (ceiling_case(model_name, levels) if kind == CEILING else adapter_case(kind, model_name) if what
+                  else run_case(kind, model_name, levels, args.tokens))
         print("RESULT " + json.dumps(result), flush=True)
         return
     load_before = os.getloadavg()
@@ -220,30 +284,39 @@ def main() -> None:
     for model_name in args.models.split(","):
         model_dir(model_name)  # build once, outside the cases
         for kind in [*args.engines.split(","), CEILING]:
-            cmd = [sys.executable, __file__, "--case", f"{kind}:{model_name}", "--concurrency", args.concurrency,
-                   "--tokens", str(args.tokens)]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                noise = ("aiohttp", "Unclosed", "connector", "Task was destroyed", "task: <Task")
-                err = "\n".join(ln for ln in out.stderr.splitlines() if ln.strip() and not any(n in ln for n in noise))
-                sys.exit(f"case {kind}:{model_name} failed (exit {out.returncode}):\n{err[-4000:]}")
-            results.append(json.loads(line[len("RESULT "):]))
+            results.append(run_child(f"{kind}:{model_name}", args))
             print(f"{kind:>8} {model_name}: " + ", ".join(f"c={c} {r['tok_s']:.0f} tok/s"
                                                          for c, r in results[-1]["levels"].items()), flush=True)
+            if args.adapters and kind != CEILING:
+                results[-1].update(run_child(f"{kind}:{model_name}:adapter", args))
+                print(f"{kind:>8} {model_name}: adapter push {results[-1]['adapter_push_ms']:.0f} ms", flush=True)
     table = render(results, levels, args, load_before, os.getloadavg())
-    (ROOT / "bench" / "results" / "engines.md").write_text(table)
-    (ROOT / "bench" / "results" / "engines.json").write_text(json.dumps(results, indent=1) + "\n")  # the raw numbers
+    (ROOT / "bench" / "results" / f"{args.out}.md").write_text(table)
+    (ROOT / "bench" / "results" / f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")  # the raw numbers
     print(table)
+
+
+def run_child(case: str, args) -> dict:
+    """One case (ENGINE:MODEL[:adapter]) in a fresh process; its RESULT line, or exit naming what failed."""
+    cmd = [sys.executable, __file__, "--case", case, "--concurrency", args.concurrency, "--tokens", str(args.tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        noise = ("aiohttp", "Unclosed", "connector", "Task was destroyed", "task: <Task")
+        err = "\n".join(ln for ln in out.stderr.splitlines() if ln.strip() and not any(n in ln for n in noise))
+        sys.exit(f"case {case} failed (exit {out.returncode}):\n{err[-4000:]}")
+    return json.loads(line[len("RESULT "):])
 
 
 def render(results: list[dict], levels: list[int], args, load_before, load_after) -> str:
     command = f"`.venv/bin/python bench/engines.py --models {args.models} --engines {args.engines} " \
-              f"--concurrency {args.concurrency} --tokens {args.tokens}`"
+              f"--concurrency {args.concurrency} --tokens {args.tokens}" + (" --adapters" if args.adapters else "") \
+              + (f" --out {args.out}" if args.out != "engines" else "") + "`"
     at = 64 if 64 in levels else levels[-1]  # the issue's goal: vLLM at 64 concurrent requests vs transformers
+    adapter = " adapter push (ms) |" if args.adapters else ""
     head = ["| model | engine | " + " | ".join(f"tok/s c={c}" for c in levels) + f" | vs transformers at c={at} "
-            f"| of the ceiling at c={at} | weight push (ms) | peak RSS (MiB) | start (s) |",
-            "|---|---|" + "---:|" * (len(levels) + 5)]
+            f"| of the ceiling at c={at} | first token, alone (ms) | weight push (ms) |{adapter} peak RSS (MiB) "
+            "| start (s) |", "|---|---|" + "---:|" * (len(levels) + 6 + bool(args.adapters))]
     lines = [command, "",
              f"Up to {args.tokens} new tokens per request, temperature 1, toy prompts of 6 tokens. Servers pinned to "
              "core 1 with one thread, the client on core 0; the in-process engine on one thread. The ceiling row is "
@@ -255,8 +328,9 @@ def render(results: list[dict], levels: list[int], args, load_before, load_after
         speed = r["levels"][top]["tok_s"]
         ratio = f"{speed / same['hf']['levels'][top]['tok_s']:.2f}x" if "hf" in same else ""
         share = f"{speed / same[CEILING]['levels'][top]['tok_s']:.0%}" if CEILING in same else ""
-        rest = ["", "", ""] if r["engine"] == CEILING else \
-            [f"{r['push_ms']:.0f}", f"{r['peak_mib']:,.0f}", f"{r['start_s']:.1f}"]
+        rest = ["", "", "", ""] + [""] * bool(args.adapters) if r["engine"] == CEILING else \
+            [f"{r['first_token_ms']:.0f}", f"{r['push_ms']:.0f}"] \
+            + [f"{r['adapter_push_ms']:.0f}"] * bool(args.adapters) + [f"{r['peak_mib']:,.0f}", f"{r['start_s']:.1f}"]
         lines.append(f"| {r['model']} | {LABELS[r['engine']]} | "
                      + " | ".join(f"{r['levels'][str(c)]['tok_s']:,.0f}" for c in levels)
                      + f" | {ratio} | {share} | " + " | ".join(rest) + " |")

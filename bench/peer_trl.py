@@ -436,9 +436,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=int)
     parser.add_argument("--deltas", type=float, nargs="+", help="accuracy gains over the start to time")
     parser.add_argument("--ours", metavar="SPEC", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peer_trl.md"))
-    parser.add_argument("--render", metavar="JSON", help="print the table again from a run's measurements (the "
-                        "JSON file written beside --out), with this script's current table; nothing runs")
+    parser.add_argument("--out", help="default: bench/results/peer_trl.md (with --render: print only)")
+    parser.add_argument("--render", metavar="JSON", nargs="+",
+                        help="print the table again from runs' measurements (the JSON file written beside --out), "
+                             "with this script's current table; several files (runs of other seeds) are merged, "
+                             "and written to --out when it is given; nothing runs")
     args = parser.parse_args(argv)
     if args.ours:
         return ours_child(args.ours)
@@ -447,13 +449,8 @@ def main(argv: list[str] | None = None) -> None:
         if key not in ("task", "model") and getattr(args, key) is None:
             setattr(args, key, value)
     if args.render:
-        saved = json.loads(Path(args.render).read_text())
-        for key, value in saved["args"].items():
-            setattr(args, key, value)
-        results = {system: [{**r, "acc": {int(k): v for k, v in r["acc"].items()}} for r in runs]
-                   for system, runs in saved["results"].items()}
-        print(render(results, args, tuple(saved["load"]), saved["versions"]))
-        return None
+        return render_saved(args, argv)
+    args.out = args.out or str(ROOT / "bench" / "results" / "peer_trl.md")
 
     from miles_core.config import ModelConfig, ToyDataConfig
     from miles_core.data.toy import toy_problems
@@ -490,16 +487,43 @@ def main(argv: list[str] | None = None) -> None:
                       " ".join(f"{s}:{a:.3f}" for s, a in sorted(r["acc"].items())), file=sys.stderr)
                 results[system].append(r)
     load = (load_before, os.getloadavg()[0])
-    text = render(results, args, load, versions)
+    measured = {system: [{k: v for k, v in r.items() if k != "snapshots"} for r in runs] for system, runs in results.items()}
+    save(args, argv, measured, load, versions)
+
+
+SAVED_ARGS = ("model", "steps", "prompts", "max_len", "lr", "temperature", "micro_batch", "seeds", "snapshot_every",
+              "eval_prompts", "deltas")
+
+
+def save(args: argparse.Namespace, argv: list[str] | None, measured: dict, load: tuple, versions: dict) -> None:
+    """Print the table and write it to --out, the measurements beside it as JSON."""
+    text = render(measured, args, load, versions)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    measured = {system: [{k: v for k, v in r.items() if k != "snapshots"} for r in runs] for system, runs in results.items()}
     Path(args.out).with_suffix(".json").write_text(json.dumps(
-        {"args": {k: getattr(args, k) for k in ("model", "steps", "prompts", "max_len", "lr", "temperature", "micro_batch",
-                                                 "seeds", "snapshot_every", "eval_prompts", "deltas")},
-         "load": load, "versions": versions, "results": measured}, indent=1))
+        {"args": {k: getattr(args, k) for k in SAVED_ARGS}, "load": load, "versions": versions, "results": measured},
+        indent=1))
     cmd = " ".join(["python bench/peer_trl.py", *(argv if argv is not None else sys.argv[1:])])
     Path(args.out).write_text(f"Command: `.venv/bin/{cmd}`\n\n{text}")
+
+
+def render_saved(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """--render: the table of saved measurements; several files (the same settings, other seeds) merged."""
+    saved = [json.loads(Path(p).read_text()) for p in args.render]
+    for other, path in zip(saved[1:], args.render[1:]):
+        differ = [k for k in SAVED_ARGS if k != "seeds" and other["args"].get(k) != saved[0]["args"].get(k)]
+        if differ:
+            sys.exit(f"--render: {path} was measured with other settings ({', '.join(differ)}) than {args.render[0]}")
+    for key, value in saved[0]["args"].items():
+        setattr(args, key, value)
+    args.seeds = [seed for s in saved for seed in s["args"]["seeds"]]
+    results = {system: [{**r, "acc": {int(k): v for k, v in r["acc"].items()}} for s in saved
+                        for r in s["results"].get(system, [])] for system in saved[0]["results"]}
+    load = (min(s["load"][0] for s in saved), max(s["load"][1] for s in saved))
+    if args.out is None:
+        print(render(results, args, load, saved[0]["versions"]))
+    else:
+        save(args, argv, results, load, saved[0]["versions"])
 
 
 if __name__ == "__main__":
