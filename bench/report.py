@@ -19,6 +19,7 @@ TITLES = {
     "train_step": "Train step: torch vs DeepSpeed, full vs LoRA (bench/train_step.py)",
     "train_step_profile": "Where a train step goes, beside the bare-torch limit (bench/train_step.py --profile)",
     "multi_lora": "Multi-LoRA: shared rollouts vs separate runs (bench/multi_lora.py)",
+    "modes_smollm2": "Modes on SmolLM2-135M-Instruct, generation-heavy (bench/modes.py --model smollm2-135m-instruct)",
     "multi_lora_smollm2": "Multi-LoRA on SmolLM2-135M-Instruct: 4 adapters over one stream vs 4 LoRA runs (bench/multi_lora.py --model smollm2-135m-instruct)",
     "train_step_profile_smollm2": "Where a SmolLM2 train step goes, beside the bare-torch limit (bench/train_step.py --profile --model smollm2-135m-instruct)",
     "resume": "Checkpoints and resumes, per mode (bench/resume.py)",
