@@ -376,8 +376,11 @@ class RolloutProducer:
                 await self._poll_control()
                 await self._poll_weights_and_recycled()
                 await self._flush(force=False)
-                if not self._gate.is_set():  # paused, or loading weights
-                    await asyncio.sleep(self.acfg.weight_poll_s)
+                if not self._gate.is_set():  # paused, or loading weights: on as soon as it opens
+                    try:
+                        await asyncio.wait_for(self._gate.wait(), self.acfg.weight_poll_s)
+                    except asyncio.TimeoutError:
+                        pass
                     continue
                 if self._outstanding() >= self.share:
                     await self._flush(force=True)  # at the bound: nothing more comes until the trainer moves
