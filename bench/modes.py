@@ -49,8 +49,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCERS = {"fully_async_2": 2}
 
 
+STEPS_CONFIG = ROOT / "configs" / "smollm2-steps.toml"
+
+
 def samples_per_step(args: argparse.Namespace) -> int:
-    return args.batch * (8 if args.model == "tiny" else 4)
+    from miles_core.config import RunConfig
+
+    per_prompt = 8 if args.model == "tiny" else RunConfig.read_toml(STEPS_CONFIG)["rollout"]["n_samples_per_prompt"]
+    return args.batch * per_prompt
 
 
 def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Namespace, eval_every=...) -> dict:
@@ -83,11 +89,9 @@ def run_mode(mode: str, seed: int, model_dir: str, root: str, args: argparse.Nam
 def run_smollm2(mode: str, seed: int, root: str, args: argparse.Namespace, engine: dict, eval_every) -> dict:
     """configs/smollm2-steps.toml (generation-heavy: word problems answered step by step, up to 256
     tokens) with this bench's engine, steps, seed, evaluation interval and mode."""
-    import tomllib
-
     from miles_core.config import RunConfig
 
-    raw = tomllib.loads((ROOT / "configs" / "smollm2-steps.toml").read_text())
+    raw = RunConfig.read_toml(STEPS_CONFIG)
     raw["data"]["path"] = str(ROOT / raw["data"]["path"])
     raw["eval"]["data"]["path"] = str(ROOT / raw["eval"]["data"]["path"])
     fully = mode.startswith("fully_async")

@@ -74,9 +74,9 @@ def base_config(args: argparse.Namespace, model_dir: str, root: str, name: str) 
 
 def smollm2_config(args: argparse.Namespace, root: str, name: str) -> dict:
     """configs/smollm2-arith.toml's task as a LoRA fully-async run (data paths made absolute)."""
-    import tomllib
+    from miles_core.config import RunConfig
 
-    raw = tomllib.loads((ROOT / "configs" / "smollm2-arith.toml").read_text())
+    raw = RunConfig.read_toml(ROOT / "configs" / "smollm2-arith.toml")
     raw["data"]["path"] = str(ROOT / raw["data"]["path"])
     raw["eval"]["data"]["path"] = str(ROOT / raw["eval"]["data"]["path"])
     raw.update(name=name, seed=args.seed, lora=LORA, mode={

@@ -329,10 +329,11 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._seen_weights_at = 0.0
         self._loading: asyncio.Task | None = None
-        self._pausing: asyncio.Task | None = None
         """The weight load in progress: it runs beside the loop, which keeps beating and obeying
         the control plane meanwhile (a real model's load, after the generations in flight, can
         outlast a heartbeat timeout)."""
+        self._pausing: asyncio.Task | None = None
+        """The drain of a pause a holder asked for, beside the loop for the same reason."""
         self._writer: StreamWriter | None = None
         self.abandoned_groups: dict[int, int] = {}
         """Group index -> prompt row of each group cut short by stop and not saved as partial (a

@@ -97,9 +97,10 @@ class Harness:
         self.future: concurrent.futures.Future | None = None
         self.feeds: list[GroupFeed] = []
 
-    def new_producer(self) -> RolloutProducer:
+    def new_producer(self, link: ProducerLink | None = None) -> RolloutProducer:
         return RolloutProducer(self.cfg, self.engine, self.prompts, score, self.stream, self.layout, self.weights,
-                               self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer())
+                               self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
+                               link=link)
 
     def start(self) -> Harness:
         self.future = asyncio.run_coroutine_threadsafe(self.producer.run(), self.loop.loop)
@@ -354,15 +355,14 @@ class CountingLink(ProducerLink):
                 self.beat_while_loading.set()
 
 
-def test_a_producer_keeps_beating_and_obeying_while_its_engine_loads_weights(harness):
+def test_a_producer_keeps_beating_while_its_engine_loads_weights(harness):
     """A load that outlasts the heartbeat timeout (SmolLM2 behind 256-token generations on a busy core
     took over 10 s) must not make the trainer declare a live producer dead: the load runs beside the
     loop, which keeps beating, and nothing new is submitted until it is done."""
     engine = HeldLoadEngine()
     h = harness(engine=engine, control_poll_s=0.001)
     link = CountingLink(engine, h.layout.run_dir)
-    h.producer = RolloutProducer(h.cfg, engine, h.prompts, score, h.stream, h.layout, h.weights, h.sampling,
-                                 tokenizer=CharTokenizer(), link=link)
+    h.producer = h.new_producer(link)
     h.start()
     h.wait_until(lambda: engine.requests)
     h.publish(1)
