@@ -368,8 +368,7 @@ def render(results: dict[str, list[dict]], args: argparse.Namespace, load: tuple
         f"one torch thread a process; seeds {args.seeds}, interleaved; every {args.snapshot_every} steps scored by one "
         f"greedy evaluation on {args.eval_prompts} held-out problems."
         + (f" TRL {versions['trl']} (transformers {versions['transformers']}, torch {versions['torch']})." if versions else "")
-        + f" Load average {load[0]:.2f} before, "
-        f"{load[1]:.2f} after.",
+        + f" Load average {_load_text(load)}.",
         "",
         f"| system | cores | step (median s) | completions/s | steps to +{deltas[-1]:g} (median) | {head} | "
         "accuracy start -> end (per seed) | "
@@ -507,6 +506,14 @@ def save(args: argparse.Namespace, argv: list[str] | None, measured: dict, load:
     Path(args.out).write_text(f"Command: `.venv/bin/{cmd}`\n\n{text}")
 
 
+def _load_text(load) -> str:
+    """``(before, after)`` of one invocation, or ``[(seeds, before, after), ...]`` of merged ones."""
+    if load and isinstance(load[0], (int, float)):
+        return f"{load[0]:.2f} before, {load[1]:.2f} after"
+    return "; ".join(f"{before:.2f} before, {after:.2f} after (seeds {', '.join(map(str, seeds))})"
+                     for seeds, before, after in load)
+
+
 def render_saved(args: argparse.Namespace, argv: list[str] | None) -> None:
     """--render: the table of saved measurements; several files (the same settings, other seeds) merged."""
     saved = [json.loads(Path(p).read_text()) for p in args.render]
@@ -517,13 +524,26 @@ def render_saved(args: argparse.Namespace, argv: list[str] | None) -> None:
     for key, value in saved[0]["args"].items():
         setattr(args, key, value)
     args.seeds = [seed for s in saved for seed in s["args"]["seeds"]]
+    repeated = sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1})
+    if repeated:
+        sys.exit(f"--render: seeds {repeated} are in more than one file; give each run's measurements once")
+    if args.out is not None and any(Path(p).resolve() == Path(args.out).with_suffix(".json").resolve()
+                                    for p in args.render):
+        sys.exit(f"--render: --out {args.out} would write its JSON over an input; choose another name")
     results = {system: [{**r, "acc": {int(k): v for k, v in r["acc"].items()}} for s in saved
                         for r in s["results"].get(system, [])] for system in saved[0]["results"]}
-    load = (min(s["load"][0] for s in saved), max(s["load"][1] for s in saved))
+    load = [(s["args"]["seeds"], *_first_load(s["load"])) for s in saved]
     if args.out is None:
         print(render(results, args, load, saved[0]["versions"]))
     else:
         save(args, argv, results, load, saved[0]["versions"])
+
+
+def _first_load(load) -> tuple[float, float]:
+    """A saved file's (before, after): its own, or the widest of the files it merged."""
+    if isinstance(load[0], (int, float)):
+        return load[0], load[1]
+    return min(part[1] for part in load), max(part[2] for part in load)
 
 
 if __name__ == "__main__":
