@@ -13,6 +13,8 @@ Linux reads ``/proc``; elsewhere there is no start time to compare, and ``alive`
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -41,6 +43,24 @@ def identity(pid: int | None = None) -> str | None:
     if fields is None or len(fields) < 20:
         return None
     return f"{_boot_id()}:{fields[19]}"  # field 22 of stat (starttime), counting pid and name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM ``proc`` if it runs, SIGKILL it if it has not ended within ``grace_s``; reaps it."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def alive(pid: int, known_as: str | None = None) -> bool:
