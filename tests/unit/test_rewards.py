@@ -196,7 +196,6 @@ def test_builtin_names():
 
 
 def test_toy_builtin_scores_exact_match():
-    pytest.importorskip("miles_core.data.toy")
     toy = get_reward("toy")
     assert toy(sample(" 82 ", label="82")) == 1.0
     assert toy(sample("81", label="82")) == 0.0

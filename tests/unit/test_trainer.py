@@ -371,8 +371,9 @@ def test_a_non_finite_loss_is_never_applied_to_the_weights(tiny_model_dir, tmp_p
 def test_export_through_the_real_weight_store(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    weights = pytest.importorskip("miles_core.storage.weights")
-    store = weights.WeightStore(str(tmp_path / "weights"))
+    from miles_core.storage.weights import WeightStore
+
+    store = WeightStore(str(tmp_path / "weights"))
     trainer = TorchTrainer(str(tiny_model_dir), TrainConfig(), store)
     trainer.step(make_batch(REWARDS_A))
     uri = trainer.export(trainer.version)
