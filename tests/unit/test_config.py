@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.cli import FLAGS, build_parser, resolve_config
+from miles_core.cli import build_parser, resolve_config
 from miles_core.config import (
     AsyncMode,
     DeepSpeedTrainerConfig,
@@ -24,6 +24,7 @@ from miles_core.config import (
     TorchTrainerConfig,
     ToyDataConfig,
 )
+from miles_core.miles_flags import FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 
