@@ -143,6 +143,31 @@ class SlotScheduler:
             self._changed.notify_all()
 
 
+class _InEngine:
+    """Counts the producer's calls in the engine; ``drained()`` waits until there are none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = asyncio.Condition()
+
+    async def __aenter__(self) -> None:
+        async with self._changed:
+            self.count += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        async with self._changed:
+            self.count -= 1
+            self._changed.notify_all()
+
+    async def drained(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.count == 0)
+
+
+class _GaveUp(Exception):
+    """A sample's engine calls failed more times than ``generation_retries`` allows."""
+
+
 # ------------------------------------------------------------------------------------ samples
 
 
@@ -211,6 +236,8 @@ class _Work:
     """Samples of a resumed partial group: finished ones are kept, aborted ones are continued."""
     route: PolicyRoute
     tasks: list[asyncio.Task] = field(default_factory=list)
+    finishing: asyncio.Task | None = None
+    """Gathers, scores and files the group once every sample has a task."""
 
 
 def _item_of(sample: Sample) -> PromptItem:
@@ -315,7 +342,7 @@ class RolloutProducer:
         self._stop = threading.Event()
         self._gate: asyncio.Event | None = None  # set: requests may be submitted
         self._paused = False
-        self._calls_in_engine = 0
+        self._in_engine: _InEngine | None = None
         self._works: set[_Work] = set()
         self._open: _Work | None = None  # sample granularity: the group whose samples are being started
         self._queue: list[_Work] = []  # resumed partial groups, started before new prompts
@@ -350,8 +377,7 @@ class RolloutProducer:
         """Stop submitting and wait until no request is in the engine (evaluation can borrow it)."""
         self._paused = True
         self._gate.clear()
-        while self._calls_in_engine:
-            await asyncio.sleep(0.01)
+        await self._in_engine.drained()
 
     async def resume(self) -> None:
         self._paused = False
@@ -364,6 +390,7 @@ class RolloutProducer:
         """Produce until ``request_stop``. Raises what broke the producer (after writing its state)."""
         self._gate = asyncio.Event()
         self._gate.set()
+        self._in_engine = _InEngine()
         self.scheduler = SlotScheduler(self.acfg.max_concurrent_samples)
         started = time.monotonic()
         self._load_state()
@@ -419,7 +446,7 @@ class RolloutProducer:
         if unit == self.n:
             work = await self._new_work()
             work.tasks = [self._spawn(self._sample(work, j), release=1) for j in range(self.n)]
-            self._spawn(self._finish_group(work))
+            work.finishing = self._spawn(self._finish_group(work))
             return
         if self._open is None:
             self._open = await self._new_work()
@@ -427,7 +454,7 @@ class RolloutProducer:
         work.tasks.append(self._spawn(self._sample(work, len(work.tasks)), release=1))
         if len(work.tasks) == self.n:
             self._open = None
-            self._spawn(self._finish_group(work))
+            work.finishing = self._spawn(self._finish_group(work))
 
     async def _new_work(self) -> _Work:
         if self._queue:
@@ -496,36 +523,22 @@ class RolloutProducer:
             return await self._custom_sample(work, j)
         engine = work.route.engine
         traj = _Trajectory.of(resumed) if resumed is not None else _Trajectory(engine.weight_version)
-        attempts = 0
         while True:
-            await self._gate.wait()
-            if self._stop.is_set():  # never submit after stop; the sample is unfinished
-                traj.finish = "abort"
-                break
             remaining = self.sampling.max_new_tokens - len(traj.output_ids)
             request = GenerateRequest(
                 list(work.item.prompt_ids) + traj.output_ids,
                 replace(self.sampling, max_new_tokens=remaining, seed=self._seed(work.group_index, j, traj)),
                 rid=f"g{work.group_index}-s{j}",
             )
-            self._calls_in_engine += 1
             try:
-                (result,) = await engine.generate([request])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the engine failed this request: retry, then count it
-                attempts += 1
-                self.stats.generation_errors += 1
-                if attempts > self.acfg.generation_retries:
-                    if isinstance(e, EngineUnreachable) and not isinstance(e, EngineTimeout):  # the engine is gone
-                        raise EngineUnreachable(f"rollout producer: its engine did not answer request {request.rid} "
-                                                f"{attempts} times; last: {e}") from e
-                    traj.error = f"generation failed {attempts} times; last: {type(e).__name__}: {e}"
-                    break
-                await asyncio.sleep(min(0.1 * 2 ** (attempts - 1), 2.0))
-                continue
-            finally:
-                self._calls_in_engine -= 1
+                results = await self._in_engine_with_retries(lambda: engine.generate([request]), f"request {request.rid}")
+            except _GaveUp as e:
+                traj.error = f"generation {e}"
+                break
+            if results is None:  # stopped before it was submitted: the sample is unfinished
+                traj.finish = "abort"
+                break
+            (result,) = results
             traj.add(result)
             continuing = result.finish_reason == "abort" and self.acfg.partial_rollout and not self._stop.is_set()
             if not continuing or remaining - len(result.output_ids) <= 0:
@@ -535,29 +548,45 @@ class RolloutProducer:
     async def _custom_sample(self, work: _Work, j: int) -> Sample:
         """A sample from the custom generate function, with the same retries and counting."""
         traj = _Trajectory(work.route.engine.weight_version)
-        for attempt in range(1, self.acfg.generation_retries + 2):
+        sampling = replace(self.sampling, seed=self._seed(work.group_index, j, traj))
+        ctx = GenerateContext(work.route.engine, self.tokenizer, sampling, work.group_index, j)
+        try:
+            sample = await self._in_engine_with_retries(
+                lambda: run_custom_generate(self.custom_generate, ctx, work.item), f"custom generate of g{work.group_index}-s{j}")
+        except _GaveUp as e:
+            traj.error = f"custom generate {e}"
+            return traj.sample(work.item, work.group_index, j, work.route.name)
+        if sample is None:
+            traj.finish = "abort"
+            return traj.sample(work.item, work.group_index, j, work.route.name)
+        sample.adapter = work.route.name
+        if ADAPTER_VERSIONS in work.item.metadata:  # a sample built without ctx.new_sample
+            sample.metadata.setdefault(ADAPTER_VERSIONS, work.item.metadata[ADAPTER_VERSIONS])
+        return sample
+
+    async def _in_engine_with_retries(self, call: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """``await call()`` once the gate is open, counted in the engine; a failure is retried
+        ``generation_retries`` times with back-off, then ``_GaveUp`` (or ``EngineUnreachable``
+        when the engine itself stopped answering: the producer stops). None: stopped first."""
+        attempts = 0
+        while True:
             await self._gate.wait()
-            if self._stop.is_set():
-                traj.finish = "abort"
-                break
-            sampling = replace(self.sampling, seed=self._seed(work.group_index, j, traj))
-            ctx = GenerateContext(work.route.engine, self.tokenizer, sampling, work.group_index, j)
-            self._calls_in_engine += 1
+            if self._stop.is_set():  # never submit after stop
+                return None
             try:
-                sample = await run_custom_generate(self.custom_generate, ctx, work.item)
-                sample.adapter = work.route.name
-                if ADAPTER_VERSIONS in work.item.metadata:  # a sample built without ctx.new_sample
-                    sample.metadata.setdefault(ADAPTER_VERSIONS, work.item.metadata[ADAPTER_VERSIONS])
-                return sample
+                async with self._in_engine:
+                    return await call()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # the engine failed this call: retry, then count it
+                attempts += 1
                 self.stats.generation_errors += 1
-                traj.error = f"custom generate failed {attempt} times; last: {type(e).__name__}: {e}"
-                await asyncio.sleep(min(0.1 * 2 ** (attempt - 1), 2.0))
-            finally:
-                self._calls_in_engine -= 1
-        return traj.sample(work.item, work.group_index, j, work.route.name)
+                if attempts > self.acfg.generation_retries:
+                    if isinstance(e, EngineUnreachable) and not isinstance(e, EngineTimeout):  # the engine is gone
+                        raise EngineUnreachable(f"rollout producer: its engine did not answer {what} "
+                                                f"{attempts} times; last: {e}") from e
+                    raise _GaveUp(f"failed {attempts} times; last: {type(e).__name__}: {e}") from e
+            await asyncio.sleep(min(0.1 * 2 ** (attempts - 1), 2.0))
 
     def _seed(self, group_index: int, j: int, traj: _Trajectory) -> int | None:
         """A per-request seed (reproducible runs) when the sampling params carry one."""
@@ -661,6 +690,8 @@ class RolloutProducer:
             return
         self._control_at = time.monotonic()
         signal = await asyncio.to_thread(self.link.poll, self)
+        if signal.fleet_size is not None:
+            self.fleet_size = signal.fleet_size
         if signal.stop:
             self._stop.set()
         if signal.pause_holders and not self._paused_for and self._pausing is None:
@@ -692,7 +723,7 @@ class RolloutProducer:
             "status": "paused" if self._paused_for else "running",
             "weight_version": int(version) if isinstance(version, int) else 0,
             "outstanding": self._outstanding(),
-            "in_engine": self._calls_in_engine,
+            "in_engine": self._in_engine.count if self._in_engine is not None else 0,
             "paused_for": list(self._paused_for),
             "stats": asdict(self.stats),
         }
@@ -796,12 +827,12 @@ class RolloutProducer:
         if self._open is not None:  # sample granularity: a group whose samples are not all started
             work = self._open
             work.tasks += [self._spawn(self._unstarted(work, j)) for j in range(len(work.tasks), self.n)]
-            self._spawn(self._finish_group(work))
+            work.finishing = self._spawn(self._finish_group(work))
             self._open = None
         await self.engine.abort()
-        deadline = time.monotonic() + 30
-        while self._works and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        finishing = [work.finishing for work in self._works if work.finishing is not None]
+        if finishing:
+            await asyncio.wait(finishing, timeout=30)
         self._raise_if_failed()
         if self._unfinished and self.acfg.partial_rollout:  # the next producer resumes them first
             await asyncio.to_thread(self._partial.append, sorted(self._unfinished, key=lambda g: g.group_index))

@@ -95,8 +95,12 @@ class ClaimedPrompts:
 
 @dataclass
 class Signal:
+    """What one poll of the control plane tells a producer."""
+
     stop: bool = False
     pause_holders: list[str] = field(default_factory=list)
+    fleet_size: int | None = None
+    """Live producers sharing the buffer bound (``fleet/ahead.json``), when this poll read it."""
 
 
 class ProducerLink:
@@ -121,12 +125,12 @@ class ProducerLink:
         stop = self.cancel.is_set() or signals.stop
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             stop = True
-        now = time.monotonic()
+        now, fleet_size = time.monotonic(), None
         if beat_now or now - self._beat_at >= self.heartbeat_s:
             self.beat(**producer.heartbeat_fields())
             self._beat_at = now
-            producer.fleet_size = len(set(self.control.ahead()) | {self.hb.producer})
-        return Signal(stop, signals.pause_holders)
+            fleet_size = len(set(self.control.ahead()) | {self.hb.producer})
+        return Signal(stop, signals.pause_holders, fleet_size)
 
     def beat(self, **fields: Any) -> None:
         with self._lock:
