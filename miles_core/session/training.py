@@ -64,6 +64,7 @@ class TrainerSide:
         """Fully async, resumed: groups settled before the checkpoint (``restore_feed``)."""
         self.rejections_before: list[list] = []
         """Fully async, resumed: rejections the checkpoint had not written to the ledger yet."""
+        self._feed: GroupFeed | None = None
 
     @built_once
     def trainer(self):
@@ -162,7 +163,7 @@ class TrainerSide:
 
     def feed(self, warn=None) -> GroupFeed:
         """The trainer's side of the stream (built once; ``warn`` receives no-progress warnings)."""
-        if not is_built(self, "_feed"):
+        if self._feed is None:
             from miles_core.rollout.buffer import make_buffer
             from miles_core.rollout.consumer import GroupFeed
 
@@ -172,11 +173,11 @@ class TrainerSide:
             kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
             if self.streams is not None:
                 kwargs.update(streams=self.streams, recycle=self.recycle)
-            self.__dict__["_feed"] = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
-                                               read_ahead=a.read_ahead, producer_check=self.producer_check,
-                                               done=self.done_before, **kwargs)
-            self.__dict__["_feed"].rejections = list(self.rejections_before)
-        return self.__dict__["_feed"]
+            self._feed = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
+                                   read_ahead=a.read_ahead, producer_check=self.producer_check,
+                                   done=self.done_before, **kwargs)
+            self._feed.rejections = list(self.rejections_before)
+        return self._feed
 
     def train_from_stream(self, step: int, warn=None) -> TrainRef:
         """Wait for ``rollout_batch_size`` trainable groups from the producers, train on them,
@@ -239,8 +240,8 @@ class TrainerSide:
 
     def close_feed(self) -> None:
         """Stop reading (a multi-LoRA adapter that finished: it no longer holds the producer back)."""
-        if is_built(self, "_feed"):
-            self.__dict__["_feed"].close()
+        if self._feed is not None:
+            self._feed.close()
 
     def close(self) -> None:
         self.close_feed()
