@@ -234,7 +234,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if "miles:num_epoch" in vars(args):
         if "rollout.num_rollout" in overrides:
             raise SystemExit("--num-epoch and --num-rollout both set the run's length: give one of them")
-        _set_epochs(cfg, vars(args)["miles:num_epoch"])
+        cfg = cfg.updated({"rollout.num_rollout": _epochs_to_rollouts(cfg, vars(args)["miles:num_epoch"])})
     return cfg
 
 
@@ -306,7 +306,7 @@ def _apply_miles_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
             _set_eval_key(data, key, given[f"eval_{key}"])
 
 
-def _set_epochs(cfg: RunConfig, epochs: int) -> None:
+def _epochs_to_rollouts(cfg: RunConfig, epochs: int) -> int:
     """``--num-epoch N``: ``rollout.num_rollout`` = N x the training prompts // ``rollout_batch_size``
     (Miles' rule; the prompt source crosses epochs by itself, each in its own shuffled order)."""
     import sys
@@ -324,9 +324,9 @@ def _set_epochs(cfg: RunConfig, epochs: int) -> None:
     if steps < 1:
         raise SystemExit(f"--num-epoch {epochs}: {epochs} x {prompts} prompts is less than one rollout batch of "
                          f"{batch} (--rollout-batch-size)")
-    cfg.rollout.num_rollout = steps
     print(f"--num-epoch {epochs}: {prompts} prompts x {epochs} // {batch} per rollout = {steps} rollouts "
           "(rollout.num_rollout)", file=sys.stderr)
+    return steps
 
 
 def _set_run_folder(data: dict[str, Any], folder: str) -> None:

@@ -286,7 +286,7 @@ def test_startup_timeout_names_the_missing_ranks(tiny_model_dir, tmp_path, monke
     from miles_core.train.launch import TrainerProcessError
 
     cfg = ds_cfg(num_processes=2)
-    cfg.backend.startup_timeout_s = 0.5
+    cfg = cfg.model_copy(update={"backend": cfg.backend.model_copy(update={"startup_timeout_s": 0.5})})
     # Which ranks are missing depends on the machine's speed: none may have connected yet, one, or
     # both (then the deadline ends while they build their trainers).
     expected = r"timed out after 0.5 s waiting for trainer ranks \[(0, 1|0|1)\] of 2 to (start and connect|build)"
