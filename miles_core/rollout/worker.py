@@ -31,14 +31,15 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, ProducerFenced, stream_name
+from miles_core import processes
+from miles_core.rollout.fleet import ControlPlane, Heartbeat, ProducerFenced, PromptLog, stream_name
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
-    from miles_core.types import Group
     from miles_core.rollout.generate import PromptItem
     from miles_core.rollout.producer import RolloutProducer
     from miles_core.session.refs import RunRefs
+    from miles_core.types import Group
 
 
 class ClaimedPrompts:
@@ -123,7 +124,7 @@ class ProducerLink:
             raise ProducerFenced(f"producer {self.hb.producer} was declared dead by the trainer "
                                  f"({self.control.files.url(f'control/fence/{self.hb.producer}.json')}); stopping")
         stop = self.cancel.is_set() or signals.stop
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+        if self.parent_pid is not None and processes.orphaned(self.parent_pid):
             stop = True
         now, fleet_size = time.monotonic(), None
         if beat_now or now - self._beat_at >= self.heartbeat_s:

@@ -22,7 +22,7 @@ from miles_core.config import RunConfig
 from miles_core.ledger import write_step
 from miles_core.rewards import MAX_ERRORS_KEPT, reward_errors
 from miles_core.rollout.generate import rollout_metrics
-from miles_core.session.parts import RunFiles, built_once, is_built, weights_uri
+from miles_core.session.parts import RunFiles, built_once, weights_uri
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
 from miles_core.stopping import RunStopped, stop_requested
 from miles_core.types import Group
