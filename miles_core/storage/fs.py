@@ -61,6 +61,8 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
         raise ImportError(f"cannot open {url!r}: {e}") from e
     except (ValueError, TypeError) as e:  # never echo the options: they may hold credentials
         raise ValueError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
+    if is_s3(fs):
+        fs.retries = 1  # s3fs's own retry loop (5 by default) would multiply ours too
     return fs, path.rstrip("/") or path
 
 
