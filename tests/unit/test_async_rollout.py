@@ -341,18 +341,18 @@ class HeldLoadEngine(ScriptedEngine):
 
 
 class CountingLink(ProducerLink):
-    """Sets ``beat_while_loading`` once the producer has beaten twice while its engine was loading."""
+    """Sets ``beat_while_held`` once the producer has beaten twice while ``held()`` was true."""
 
-    def __init__(self, engine: HeldLoadEngine, run_dir: str) -> None:
+    def __init__(self, held, run_dir: str) -> None:
         super().__init__(ControlPlane(run_dir), Heartbeat("p0", "running"), heartbeat_s=0.001)
-        self.engine, self.during_load, self.beat_while_loading = engine, 0, threading.Event()
+        self.held, self.beats_while_held, self.beat_while_held = held, 0, threading.Event()
 
     def beat(self, **fields: Any) -> None:
         super().beat(**fields)
-        if self.engine.loading.is_set() and not self.engine.release.is_set():
-            self.during_load += 1
-            if self.during_load >= 2:
-                self.beat_while_loading.set()
+        if self.held():
+            self.beats_while_held += 1
+            if self.beats_while_held >= 2:
+                self.beat_while_held.set()
 
 
 def test_a_producer_keeps_beating_while_its_engine_loads_weights(harness):
@@ -361,19 +361,71 @@ def test_a_producer_keeps_beating_while_its_engine_loads_weights(harness):
     loop, which keeps beating, and nothing new is submitted until it is done."""
     engine = HeldLoadEngine()
     h = harness(engine=engine, control_poll_s=0.001)
-    link = CountingLink(engine, h.layout.run_dir)
+    link = CountingLink(lambda: engine.loading.is_set() and not engine.release.is_set(), h.layout.run_dir)
     h.producer = h.new_producer(link)
     h.start()
     h.wait_until(lambda: engine.requests)
     h.publish(1)
     assert engine.loading.wait(10), "the producer never loaded v1"
     submitted = len(engine.requests)
-    assert link.beat_while_loading.wait(10), f"{link.during_load} heartbeats while the engine loaded"
+    assert link.beat_while_held.wait(10), f"{link.beats_while_held} heartbeats while the engine loaded"
     assert len(engine.requests) == submitted, "no request is submitted while the weights load"
     engine.release.set()
     h.wait_until(lambda: engine.weight_version == 1)  # (no more requests need follow: no feed consumes here)
     stats = h.stop()
     assert stats.weight_updates == 1
+
+
+class HeldGenerationEngine(ScriptedEngine):
+    """Its generations wait until the test lets them go (long answers in flight when a pause comes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generating, self.released = threading.Event(), threading.Event()
+        self.calls = self.returned = 0
+        self._go: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def generate(self, requests):
+        self.calls += 1
+        if self._go is None:
+            self._go, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        self.generating.set()
+        await self._go.wait()
+        try:
+            return await super().generate(requests)
+        finally:
+            self.returned += 1
+
+    def let_go(self) -> None:
+        self.released.set()
+        self._loop.call_soon_threadsafe(self._go.set)
+
+
+def test_a_producer_keeps_beating_while_a_pause_waits_for_its_generations(harness):
+    """A pause (an evaluation borrowing the engine) waits for the generations in flight; on a real
+    model they can outlast the heartbeat timeout, so the drain runs beside the loop, which keeps
+    beating. The producer says it is paused only once nothing of it is in the engine, and starts
+    nothing until the holder lets go."""
+    engine = HeldGenerationEngine()
+    h = harness(engine=engine, control_poll_s=0.001)
+    asked = threading.Event()
+    link = CountingLink(lambda: asked.is_set() and not engine.released.is_set(), h.layout.run_dir)
+    h.producer = h.new_producer(link)
+    h.start()
+    assert engine.generating.wait(10), "no generation started"
+    link.control.pause("eval-step-1")
+    asked.set()
+    assert link.beat_while_held.wait(10), f"{link.beats_while_held} heartbeats while the pause drained"
+    assert link.control.heartbeat("p0").paused_for == [], "not paused while generations are in the engine"
+    engine.let_go()
+    h.wait_until(lambda: link.control.heartbeat("p0").paused_for == ["eval-step-1"])
+    assert engine.calls == engine.returned, "paused with nothing in the engine"
+    calls_when_paused = engine.calls
+    link.control.unpause("eval-step-1")
+    h.wait_until(lambda: engine.calls > calls_when_paused)  # generating again
+    stats = h.stop()
+    assert stats.samples_finished > 0
 
 
 def test_partial_rollout_continues_under_new_weights_with_stamped_spans(harness):
