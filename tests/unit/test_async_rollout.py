@@ -402,6 +402,19 @@ class HeldGenerationEngine(ScriptedEngine):
         self._loop.call_soon_threadsafe(self._go.set)
 
 
+class NoticingLink(CountingLink):
+    """Counts heartbeats only after a poll that told the producer of a pause."""
+
+    def __init__(self, held, run_dir: str) -> None:
+        self.noticed = False
+        super().__init__(lambda: self.noticed and held(), run_dir)
+
+    def poll(self, producer, beat_now: bool = False):
+        signal = super().poll(producer, beat_now)
+        self.noticed = self.noticed or bool(signal.pause_holders)
+        return signal
+
+
 def test_a_producer_keeps_beating_while_a_pause_waits_for_its_generations(harness):
     """A pause (an evaluation borrowing the engine) waits for the generations in flight; on a real
     model they can outlast the heartbeat timeout, so the drain runs beside the loop, which keeps
@@ -409,13 +422,11 @@ def test_a_producer_keeps_beating_while_a_pause_waits_for_its_generations(harnes
     nothing until the holder lets go."""
     engine = HeldGenerationEngine()
     h = harness(engine=engine, control_poll_s=0.001)
-    asked = threading.Event()
-    link = CountingLink(lambda: asked.is_set() and not engine.released.is_set(), h.layout.run_dir)
+    link = NoticingLink(lambda: not engine.released.is_set(), h.layout.run_dir)
     h.producer = h.new_producer(link)
     h.start()
     assert engine.generating.wait(10), "no generation started"
     link.control.pause("eval-step-1")
-    asked.set()
     assert link.beat_while_held.wait(10), f"{link.beats_while_held} heartbeats while the pause drained"
     assert link.control.heartbeat("p0").paused_for == [], "not paused while generations are in the engine"
     engine.let_go()
