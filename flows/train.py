@@ -38,7 +38,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectConcurrentFuture
 from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run, flow_run_name
@@ -175,41 +175,23 @@ def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | 
 # argument, or a part of it, is that run's result, matched by ``id()`` where the object takes no
 # weak reference (numbers, strings, lists): a new object at a freed result's address is taken for
 # it, and a task got edges from runs it never used. So a step's tasks get every argument quoted (not
-# searched) and the task before as ``wait_for``, one future, not a list (``Ran``): the graph reads
+# searched) and the task before as ``wait_for``, one future, not a list (``_ran``): the graph reads
 # prepare-run -> rollout-0 -> train-0 -> push-weights-v1 -> rollout-1 -> ... The tasks are called,
 # not submitted: they run on the flow's thread, where a cancellation interrupts them.
 
 
-class Ran(PrefectFuture):
-    """A task run that has ended (``task(..., return_state=True)``), as a future: ``wait_for=[Ran(state)]``
-    draws the edge from it. A state itself would be searched through, result and all, and a float
-    in its result taken for an unrelated task's result that once had the same ``id``."""
-
-    def __init__(self, state) -> None:
-        self._final_state = state
-
-    @property
-    def task_run_id(self):
-        return self._final_state.state_details.task_run_id
-
-    @property
-    def state(self):
-        return self._final_state
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        return self._final_state.result(raise_on_failure=raise_on_failure)
-
-    def add_done_callback(self, fn) -> None:
-        fn(self)
+def _ran(state) -> PrefectConcurrentFuture:
+    """A task run that has ended (``task(..., return_state=True)``) as Prefect's own future, for
+    ``wait_for=`` (a state itself would be searched through, result and all)."""
+    done: Future = Future()
+    done.set_result(state)
+    return PrefectConcurrentFuture(state.state_details.task_run_id, done)
 
 
-def _run(task, *args, after: Any = None) -> tuple[Any, Ran]:
-    """Call ``task`` (after ``after``, a future, if any): its result, and it as a ``Ran``."""
+def _run(task, *args, after: Any = None) -> tuple[Any, PrefectConcurrentFuture]:
+    """Call ``task`` (after ``after``, a future, if any): its result, and its run as a future."""
     state = task(*args, wait_for=after, return_state=True)
-    return state.result(), Ran(state)
+    return state.result(), _ran(state)
 
 
 def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
