@@ -72,7 +72,10 @@ def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
         line += f" | gen {row['rollout_tokens_per_s']:,.0f} tok/s | rollout {row['rollout_seconds']:.1f}s"
     else:  # fully async: the producer's side
         line += f" | producer {row.get('async/producer_throughput_qps', 0.0):,.2f} samples/s"
-    line += f" | train {row['train_seconds']:.1f}s push {row['push_seconds']:.2f}s | waited {row['trainer_wait_seconds']:.1f}s"
+    line += f" | train {row['train_seconds']:.1f}s"
+    if "push_seconds" in row:  # fully async: the producers load new weights themselves
+        line += f" push {row['push_seconds']:.2f}s"
+    line += f" | waited {row['trainer_wait_seconds']:.1f}s"
     if row.get("staleness_max"):
         line += f" | staleness max {row['staleness_max']:.0f}"
     return line + f" | step {row['step_seconds']:.1f}s"
@@ -261,7 +264,7 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
             t, trained = _run(train_from_stream, c, q if trained else refs, quote(step), after=trained)
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
             raise _stopped(cfg, refs, session, step, None) from None
-        row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
+        row = {**t.metrics, "version": t.version, "step_seconds": time.perf_counter() - t0,
                REWARD_ERRORS: t.reward_errors}
         yield step, _with_idle(row), None
     stop_producers(cfg, refs)  # a run that fails or is cancelled cancels them instead, in close_session
