@@ -13,7 +13,7 @@
 - ``ClaimedPrompts``: the producer's prompt supply, ``prompt_claim_size`` prompts per claim.
 - ``SubprocessLauncher``: the laptop default: each producer is ``python -m miles_core.rollout.worker``,
   a child process of the trainer's, given its config on stdin (secrets never touch disk or argv).
-  ``flows/fleet.py`` has the other launcher, flow runs of a deployment.
+  ``tasks/fleet.py`` has the other launcher, flow runs of a deployment (``DeploymentLauncher``).
 """
 
 from __future__ import annotations
