@@ -273,25 +273,13 @@ class ProducerStats:
 
 class RolloutProducer:
     def __init__(
-        self,
-        cfg: RunConfig,
-        engine: RolloutEngine,
-        prompts: PromptSupply,
-        reward: Callable[[list[Group]], Awaitable[Any]],
-        stream: SampleStream,
-        layout: RunLayout,
-        weights: WeightStore | None,
-        sampling: SamplingParams,
-        consumer: str | Callable[[], int] = "trainer",
-        custom_generate: CustomGenerate | None = None,
-        tokenizer: Any = None,
-        *,
-        routes: Sequence[PolicyRoute] | None = None,
-        capacity: int | None = None,
-        version_stamp: Callable[[], dict[str, int]] | None = None,
-        link: ProducerLink | None = None,
-        state_file: str = STATE_FILE,
-        partial_stream: str = PARTIAL_PRODUCER,
+        self, cfg: RunConfig, engine: RolloutEngine, prompts: PromptSupply,
+        reward: Callable[[list[Group]], Awaitable[Any]], stream: SampleStream, layout: RunLayout,
+        weights: WeightStore | None, sampling: SamplingParams, consumer: str | Callable[[], int] = "trainer",
+        custom_generate: CustomGenerate | None = None, tokenizer: Any = None, *,
+        routes: Sequence[PolicyRoute] | None = None, capacity: int | None = None,
+        version_stamp: Callable[[], dict[str, int]] | None = None, link: ProducerLink | None = None,
+        state_file: str = STATE_FILE, partial_stream: str = PARTIAL_PRODUCER,
     ) -> None:
         self.cfg, self.acfg = cfg, cfg.mode
         self.engine = engine
@@ -317,11 +305,7 @@ class RolloutProducer:
         """Makes each sample instead of one request (multi-turn, tool use); see rollout/generate.py."""
         self.tokenizer = tokenizer
         self.n = cfg.rollout.n_samples_per_prompt
-        if capacity is None:
-            capacity = max(1, round(self.acfg.buffer_capacity_factor * cfg.rollout.rollout_batch_size))
-        elif capacity < 1:
-            raise ValueError(f"producer capacity must be at least 1 group, got {capacity}")
-        self.capacity = capacity
+        self.capacity = _capacity(cfg, capacity)
         """Groups the producer may be ahead of the consumer (in flight + unwritten + unconsumed)."""
         self.link = link
         """The run's control plane as this producer sees it (a fleet member): stop, pause and fence
@@ -334,10 +318,14 @@ class RolloutProducer:
         """Live producers of the fleet this one is in (the trainer says, in ``fleet/ahead.json``):
         each may hold its share of ``capacity`` ahead of the trainer, so the fleet holds at most
         ``capacity`` whatever the delay of what they know of each other."""
-        self._control_at = 0.0
-        self._paused_for: list[str] = []
         self.filters = GroupFilters(self.acfg.dynamic_filters)
         self.stats = ProducerStats()
+        self._init_loop_state()
+
+    def _init_loop_state(self) -> None:
+        """What the loop keeps track of as it runs (nothing of it survives the producer)."""
+        self._control_at = 0.0
+        self._paused_for: list[str] = []
         self.scheduler: SlotScheduler | None = None
         self._stop = threading.Event()
         self._gate: asyncio.Event | None = None  # set: requests may be submitted
@@ -847,6 +835,15 @@ class RolloutProducer:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _capacity(cfg: RunConfig, capacity: int | None) -> int:
+    """The producer's bound in groups: ``capacity``, or ``buffer_capacity_factor`` rollout batches."""
+    if capacity is None:
+        return max(1, round(cfg.mode.buffer_capacity_factor * cfg.rollout.rollout_batch_size))
+    if capacity < 1:
+        raise ValueError(f"producer capacity must be at least 1 group, got {capacity}")
+    return capacity
 
 
 def _describe(e: BaseException) -> str:
