@@ -36,7 +36,7 @@ engine of its own). Groups that dynamic filters reject
 are counted per filter. On stop, unfinished groups are counted as abandoned, or, with
 ``partial_rollout``, written to the ``partial`` stream, which the next producer resumes first.
 
-State (``state/producer.json``: next group index, prompt cursor, counters) is written with every
+State (``state/producer.json``: the prompt supply's state, counters) is written with every
 segment, so a restarted producer continues where the last segment left off.
 """
 
@@ -67,16 +67,21 @@ STATE_FILE = "state/producer.json"
 ADAPTER_VERSIONS = "adapter_versions"
 """Metadata key of the version stamp: every adapter's version when the sample's group started."""
 PARTIAL_PRODUCER = "partial"
-RECYCLE_PRODUCER = "recycle"
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 class PromptSupply(Protocol):
-    """Where the producer's prompts come from (the run's ``DataSource`` plus rendering)."""
+    """Where the producer's prompts come from: the run's prompt log, claimed a block at a time
+    (``rollout.worker.ClaimedPrompts``), each prompt with its group index (unique in the run)."""
 
-    def next(self) -> PromptItem: ...
+    def take(self) -> tuple[PromptItem, int]: ...
 
-    def push_back(self, prompt_indices: list[int]) -> None: ...
+    def filtered(self, group: Group, reason: str) -> None:
+        """A dynamic filter dropped ``group``: settled, never to be trained or claimed again."""
+
+    def adopted(self) -> list[tuple[str, set[int]]]:
+        """Partial groups saved by producers of an earlier start that this one continues:
+        (the producer that saved them, their group indices)."""
 
     def state(self) -> dict[str, Any]: ...
 
@@ -262,7 +267,6 @@ class ProducerStats:
     groups_abandoned: int = 0
     groups_saved_partial: int = 0
     groups_resumed_partial: int = 0
-    groups_recycled_in: int = 0
     weight_updates: int = 0
     weight_update_seconds: float = 0.0
     backpressure_seconds: float = 0.0
@@ -339,7 +343,6 @@ class RolloutProducer:
         self._oldest_finished_at: float | None = None
         self._segment_groups: dict[int, int] = {}  # offset -> groups in it (for back-pressure)
         self._used_after = 0  # groups the consumer used in those segments, as it last said
-        self._next_group = 0
         self._routed = 0  # groups started on a route so far (round robin)
         self._error: BaseException | None = None
         self._seen_weights_at = 0.0
@@ -383,14 +386,13 @@ class RolloutProducer:
         started = time.monotonic()
         self._load_state()
         self._writer = self.stream.writer(max_pending=2)
-        self._recycle = self.stream.sibling(RECYCLE_PRODUCER)
         self._partial = self.stream.sibling(self.partial_stream)
         await asyncio.to_thread(self._resume_partial_groups)
         try:
             while not self._stop.is_set():
                 self._raise_if_failed()
                 await self._poll_control()
-                await self._poll_weights_and_recycled()
+                await self._poll_weights()
                 await self._flush(force=False)
                 if not self._gate.is_set():  # paused, or loading weights: on as soon as it opens
                     try:
@@ -448,7 +450,7 @@ class RolloutProducer:
         if self._queue:
             work = self._queue.pop(0)
         else:
-            item, index = await asyncio.to_thread(self._next_prompt)
+            item, index = await asyncio.to_thread(self.prompts.take)
             work = _Work(item, index, [None] * self.n, self._next_route())
         if self.version_stamp is not None and ADAPTER_VERSIONS not in work.item.metadata:
             # a resumed partial group keeps the stamp of its first start (its oldest spans)
@@ -462,16 +464,6 @@ class RolloutProducer:
     def share(self) -> int:
         """The groups this producer may hold ahead of the trainer: its share of ``capacity``."""
         return max(1, -(-self.capacity // max(1, self.fleet_size)))
-
-    def _next_prompt(self) -> tuple[PromptItem, int]:
-        """The next prompt and its group index: a fleet's claimed prompts carry their own (unique
-        across producers); otherwise this producer counts them."""
-        take = getattr(self.prompts, "take", None)
-        if take is not None:
-            return take()
-        item, index = self.prompts.next(), self._next_group
-        self._next_group += 1
-        return item, index
 
     def _next_route(self) -> PolicyRoute:
         """Round robin over the routes, by the groups this producer started (group indices of
@@ -601,9 +593,7 @@ class RolloutProducer:
             dropped_by = self.filters.rejected_by(group)
             if dropped_by is not None:
                 self.stats.groups_filtered = dict(self.filters.dropped)
-                settle = getattr(self.prompts, "filtered", None)  # a fleet's prompt log records it
-                if settle is not None:
-                    await asyncio.to_thread(settle, group, dropped_by)
+                await asyncio.to_thread(self.prompts.filtered, group, dropped_by)
                 return
             if not self._finished:
                 self._oldest_finished_at = time.monotonic()
@@ -659,7 +649,7 @@ class RolloutProducer:
             return (int(found[0]), int(found[1])) if isinstance(found, tuple) else (int(found), 0)
         return self.stream.reader(self.consumer).progress()
 
-    async def _poll_weights_and_recycled(self) -> None:
+    async def _poll_weights(self) -> None:
         now = time.monotonic()
         if now - self._seen_weights_at < self.acfg.weight_poll_s:
             return
@@ -669,8 +659,6 @@ class RolloutProducer:
             if latest is not None and latest > self.engine.weight_version:
                 self._gate.clear()  # nothing new starts from now until the load is done
                 self._loading = self._spawn(self._update_weights(latest))
-        if self.acfg.unused_samples_handler == "retry" and not hasattr(self.prompts, "take"):
-            await asyncio.to_thread(self._take_recycled)  # claimed prompts' come back through the prompt log
 
     async def _poll_control(self) -> None:
         """A fleet member: heartbeat, and obey stop, pause and fence from the run folder."""
@@ -732,22 +720,6 @@ class RolloutProducer:
         self.stats.weight_updates += 1
         self.stats.weight_update_seconds += time.monotonic() - t0
 
-    def _take_recycled(self) -> None:
-        """Prompts of groups the consumer rejected come back to the prompt supply, first in line."""
-        reader = self._recycle.reader("producer")
-        segments = reader.read()
-        if not segments:
-            return
-        indices = []
-        for segment in segments:
-            seen = {}
-            for s in segment.samples():
-                seen.setdefault(s.group_index, s.prompt_index)
-            indices += list(seen.values())
-        self.prompts.push_back(indices)
-        self.stats.groups_recycled_in += len(indices)
-        reader.commit(segments[-1].offset)
-
     def _resume_partial_groups(self) -> None:
         """Unfinished groups saved at a stop are started before any new prompt: those in this
         producer's own partial stream, and those it adopted from producers of an earlier start
@@ -757,8 +729,7 @@ class RolloutProducer:
         reader = self._partial.reader("producer")
         segments = reader.read()
         groups = [g for segment in segments for g in regroup(segment.samples())]
-        adopted = getattr(self.prompts, "adopted", None)
-        for source, indices in adopted() if adopted is not None else []:
+        for source, indices in self.prompts.adopted():
             stream = self.stream.sibling(f"partial-{source}")
             groups += [g for seg in stream.read() for g in regroup(seg.samples()) if g.group_index in indices]
         for group in groups:
@@ -776,10 +747,7 @@ class RolloutProducer:
         if "prompts" in state:
             self.prompts.load_state(state["prompts"])
         existing = self.stream.offsets()
-        self._next_group = int(state.get("next_group_index", 0))
-        if existing:  # groups written after the last state save must not reuse their indices
-            last = self.stream.read_segment(existing[-1])
-            self._next_group = max(self._next_group, int(max(last.table.column("group_index").to_pylist())) + 1)
+        if existing:  # written before a restart and not consumed yet: they count toward the bound
             cursor = self._consumer_cursor()
             for offset in existing:
                 if offset > cursor:
@@ -794,7 +762,6 @@ class RolloutProducer:
         self.layout.write_json(self.state_file, {
             "status": status,
             "error": error,
-            "next_group_index": self._next_group,
             "prompts": self.prompts.state(),
             "stats": asdict(self.stats),
             "in_flight_samples": self.scheduler.in_flight if self.scheduler else 0,

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 
 class ClaimedPrompts:
-    """A fleet member's prompts: blocks claimed from the run's prompt log, each prompt with its
-    group index (unique across the fleet). ``push_back`` (a recycled prompt) releases to the log."""
+    """A producer's prompts (its ``PromptSupply``): blocks claimed from the run's prompt log, each
+    prompt with its group index (unique in the run)."""
 
     def __init__(self, log: PromptLog, producer: str, render, block: int) -> None:
         self.log, self.producer, self.render, self.block = log, producer, render, block
@@ -60,13 +60,6 @@ class ClaimedPrompts:
                 items = self.render(claim.rows)
                 self._queue.extend((item, claim.group_index(i)) for i, item in enumerate(items))
             return self._queue.popleft()
-
-    def next(self) -> PromptItem:
-        return self.take()[0]
-
-    def push_back(self, prompt_indices: list[int]) -> None:
-        with self._lock:
-            self.log.release(prompt_indices, reason="pushed back", producer=self.producer)
 
     def unstarted(self) -> dict[int, int]:
         """Group index -> row of the prompts claimed and not started yet."""

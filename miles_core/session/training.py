@@ -56,8 +56,7 @@ class TrainerSide:
         self.producer_check, self.producer_metrics = producer_check, producer_metrics
         self.streams, self.recycle = streams, recycle
         """Fully async: the producers' streams the feed reads, each with its fence (a fleet's, or a
-        multi-LoRA run's producers), and where rejected groups' prompts go back to (its prompt log);
-        None: the run's one stream and its ``recycle`` stream."""
+        multi-LoRA run's producers), and where rejected groups' prompts go back to (its prompt log)."""
         self.skipped_in_a_row: list[str] = []
         """The latest steps that changed nothing, and why (``train.max_skipped_steps`` fail the run)."""
         self.done_before: set[int] = set()
@@ -170,10 +169,11 @@ class TrainerSide:
             a = self.cfg.mode
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
+            if self.streams is None or self.recycle is None:
+                raise RuntimeError("a fully-async trainer reads its producers' streams: start its fleet first")
             kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
-            if self.streams is not None:
-                kwargs.update(streams=self.streams, recycle=self.recycle)
-            self._feed = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
+            self._feed = GroupFeed(self.files.stream, buffer, a, self.streams, self.recycle, reader=self.reader,
+                                   view=self.view,
                                    read_ahead=a.read_ahead, producer_check=self.producer_check,
                                    done=self.done_before, **kwargs)
             self._feed.rejections = list(self.rejections_before)

@@ -1,7 +1,9 @@
 """Fully-async rollout: the producer, the trainer's feed and the buffer, on a scripted engine.
 
 The engine is a test double with latency and failures under test control (tests/doubles); the
-sample stream, cursors and weight store are the real ones on a local folder."""
+prompt log, sample stream, cursors and weight store are the real ones on a local folder. The
+producer claims its prompts from the run's prompt log and writes its own stream, as a fleet
+member does; the feed reads that stream and gives rejected prompts back to the log."""
 
 from __future__ import annotations
 
@@ -20,44 +22,35 @@ from miles_core.engines.base import SamplingParams
 from miles_core.loop import LoopThread
 from miles_core.rewards import score_groups
 from miles_core.rollout.buffer import DefaultDataBuffer, make_buffer
-from miles_core.rollout.consumer import GroupFeed, ProducerEnded
-from miles_core.rollout.fleet import ControlPlane, Heartbeat
+from miles_core.rollout.consumer import GroupFeed
+from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, recycle_to, stream_name
 from miles_core.rollout.generate import PromptItem
 from miles_core.rollout.producer import RolloutProducer
-from miles_core.rollout.worker import ProducerLink
+from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
 from miles_core.storage import RunLayout, SampleStream, WeightStore
 from miles_core.types import Group, Sample, SampleStatus
 
 N = 2  # samples per prompt
 
 
+def draw(cursor, n):
+    """Prompt rows 0, 1, 2, ... (the cursor is the next row)."""
+    start = cursor or 0
+    return list(range(start, start + n)), start + n
+
+
 class Prompts:
-    """Prompts 0, 1, 2, ... with a retry buffer, like DataSource."""
+    """Renders claimed prompt rows (``ClaimedPrompts``' render); breaks at row ``fail_at``."""
 
     def __init__(self, fail_at: int | None = None) -> None:
-        self.position = 0
-        self.retry: list[int] = []
         self.served: list[int] = []
         self.fail_at = fail_at
 
-    def next(self) -> PromptItem:
-        if self.retry:
-            i = self.retry.pop(0)
-        else:
-            i, self.position = self.position, self.position + 1
-        if i == self.fail_at:
-            raise RuntimeError(f"prompt source broke at {i}")
-        self.served.append(i)
-        return PromptItem(f"p{i}", [1 + i % 50, 2, 3], str(i), i, {"i": i})
-
-    def push_back(self, prompt_indices: list[int]) -> None:
-        self.retry += prompt_indices
-
-    def state(self) -> dict[str, Any]:
-        return {"position": self.position, "retry": list(self.retry)}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.position, self.retry = state["position"], list(state["retry"])
+    def render(self, rows: list[int]) -> list[PromptItem]:
+        if self.fail_at in rows:
+            raise RuntimeError(f"prompt source broke at {self.fail_at}")
+        self.served += rows
+        return [PromptItem(f"p{i}", [1 + i % 50, 2, 3], str(i), i, {"i": i}) for i in rows]
 
 
 class CharTokenizer:
@@ -77,8 +70,11 @@ class Harness:
     """A producer on its own event-loop thread, and the trainer's feed, over one run folder."""
 
     def __init__(self, tmp_path, engine: ScriptedEngine | None = None, prompts: Prompts | None = None,
-                 max_new_tokens: int = 6, custom_generate=None, **async_kw: Any) -> None:
+                 max_new_tokens: int = 6, custom_generate=None, block: int = 64, **async_kw: Any) -> None:
         self.custom_generate = custom_generate
+        self.block = block
+        """Prompts per claim: one claim's group indices are consecutive (the next claim's start
+        ``GROUP_STRIDE`` further on)."""
         async_kw.setdefault("weight_poll_s", 0.02)
         async_kw.setdefault("segment_max_wait_s", 0.05)
         async_kw.setdefault("segment_max_groups", 2)
@@ -87,7 +83,9 @@ class Harness:
             rollout={"rollout_batch_size": 4, "n_samples_per_prompt": N},
         )
         self.layout = RunLayout(str(tmp_path / "runs"), "t", "r1")
-        self.stream = SampleStream(self.layout.run_dir)
+        self.stream = SampleStream(self.layout.run_dir).sibling(stream_name("p0"))
+        self.log = PromptLog(self.layout.run_dir, draw=draw)
+        self.recycle_log = PromptLog(self.layout.run_dir)  # the trainer's: its own reader of the log
         self.weights = WeightStore(self.layout.weights)
         self.loop = LoopThread("test-producer")
         self.engine = engine or ScriptedEngine()
@@ -97,10 +95,15 @@ class Harness:
         self.future: concurrent.futures.Future | None = None
         self.feeds: list[GroupFeed] = []
 
-    def new_producer(self, link: ProducerLink | None = None) -> RolloutProducer:
-        return RolloutProducer(self.cfg, self.engine, self.prompts, score, self.stream, self.layout, self.weights,
+    def new_producer(self, link: ProducerLink | None = None, supply: ClaimedPrompts | None = None,
+                     **options: Any) -> RolloutProducer:
+        supply = supply or self.supply()
+        return RolloutProducer(self.cfg, self.engine, supply, score, self.stream, self.layout, self.weights,
                                self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
-                               link=link)
+                               link=link, **options)
+
+    def supply(self, producer: str = "p0") -> ClaimedPrompts:
+        return ClaimedPrompts(self.log, producer, self.prompts.render, self.block)
 
     def start(self) -> Harness:
         self.future = asyncio.run_coroutine_threadsafe(self.producer.run(), self.loop.loop)
@@ -112,7 +115,9 @@ class Harness:
 
     def feed(self, first_version: int = 0, read_ahead: bool = False) -> GroupFeed:
         buffer = DefaultDataBuffer(self.cfg.mode, capacity=64, first_version=first_version)
-        feed = GroupFeed(self.stream, buffer, self.cfg.mode, producer_check=self.check, read_ahead=read_ahead)
+        feed = GroupFeed(SampleStream(self.layout.run_dir), buffer, self.cfg.mode, lambda: [(self.stream, None)],
+                         lambda groups: recycle_to(self.recycle_log, groups), producer_check=self.check,
+                         read_ahead=read_ahead)
         self.feeds.append(feed)
         return feed
 
@@ -252,7 +257,8 @@ def test_back_pressure_holds_the_producer_at_capacity(harness):
 
 
 def _stale_setup(harness, handler: str):
-    h = harness(max_weight_staleness=1, unused_samples_handler=handler, buffer_capacity_factor=2).start()
+    # claims of 4: a recycled prompt is claimed again as soon as the producer needs more
+    h = harness(max_weight_staleness=1, unused_samples_handler=handler, buffer_capacity_factor=2, block=4).start()
     feed = h.feed()
     h.wait_until(lambda: h.producer.stats.groups_written >= 4)
     return h, feed
@@ -268,6 +274,8 @@ def test_stale_groups_are_dropped_and_counted(harness):
     assert all(min(s.span_versions) >= 2 for g in batch.groups for s in g.samples)
     assert batch.metrics["async/staleness_max"] <= 1
     assert batch.metrics["async/rejected_response_len_mean"] > 0  # length distribution of the rejected
+    assert feed.totals["recycled"] == 0 and not [c for c in h.log.entries() if c.kind == "release"], \
+        "dropped: no prompt goes back to the log"
     h.stop()
 
 
@@ -278,7 +286,7 @@ def test_stale_groups_are_recycled_to_the_producer(harness):
     feed.commit()
     rejected_prompts = {r.group.samples[0].prompt_index for r in first.rejected}
     assert rejected_prompts and feed.totals["recycled"] == len(first.rejected)
-    h.wait_until(lambda: h.producer.stats.groups_recycled_in >= len(rejected_prompts))
+    h.wait_until(lambda: any(h.prompts.served.count(p) > 1 for p in rejected_prompts))  # claimed again
     more = feed.next_batch(8, trainer_version=3)
     regenerated = {g.samples[0].prompt_index for g in first.groups + more.groups}
     assert rejected_prompts & regenerated, "recycled prompts come back, generated again"
@@ -529,8 +537,8 @@ def test_a_producer_found_dead_is_dealt_with_while_the_others_keep_the_trainer_f
     def check():
         raise dead
 
-    buffer = DefaultDataBuffer(h.cfg.mode, capacity=64)
-    feed = GroupFeed(h.stream, buffer, h.cfg.mode, producer_check=check)
+    feed = h.feed()
+    feed.producer_check = check
     with pytest.raises(RuntimeError) as raised:
         feed.next_batch(4, 0)
     assert raised.value is dead
@@ -546,17 +554,6 @@ def test_trainer_warns_while_it_waits(harness):
     assert warnings and "waited" in warnings[0]
     assert batch.wait_seconds > 0.1
     h.stop()
-
-
-@pytest.mark.parametrize("read_ahead", [False, True])
-def test_closed_stream_ends_the_trainer_clearly(harness, read_ahead):
-    h = harness().start()
-    h.stop()
-    h.stream.close()
-    feed = h.feed(read_ahead=read_ahead)
-    with pytest.raises(ProducerEnded, match="still needs"):
-        for _ in range(50):
-            feed.next_batch(4, 0)
 
 
 # ------------------------------------------------------------------------------------- stop
@@ -595,11 +592,12 @@ def test_partial_trajectories_survive_the_producer(harness):
     assert all(finished[g].status is not SampleStatus.ABORTED for g in resumed)
 
 
-class AdoptingPrompts(Prompts):
-    """A prompt log's supply that took over partial groups another producer saved (``adopted``)."""
+class AdoptingPrompts(ClaimedPrompts):
+    """Claimed prompts of a producer that took over partial groups another one saved (``adopted``;
+    the prompt log's adopt entries say the same)."""
 
-    def __init__(self, source: str, groups: set[int]) -> None:
-        super().__init__()
+    def __init__(self, h: Harness, source: str, groups: set[int]) -> None:
+        super().__init__(h.log, "p1", h.prompts.render, h.block)
         self.source, self.groups = source, groups
 
     def adopted(self) -> list[tuple[str, set[int]]]:
@@ -620,8 +618,7 @@ def test_a_producer_continues_the_partial_groups_it_adopted(harness):
     assert len(saved) == stats.groups_saved_partial > 0
     h.stream.sibling("partial-p0").append([s for g in saved for s in g.samples])  # as p0 would have
     adopted = {g.group_index for g in saved[1:]} if len(saved) > 1 else {saved[0].group_index}
-    h.producer = RolloutProducer(h.cfg, h.engine, AdoptingPrompts("p0", adopted), score, h.stream, h.layout,
-                                 h.weights, h.sampling, tokenizer=CharTokenizer(), partial_stream="partial-p1")
+    h.producer = h.new_producer(supply=AdoptingPrompts(h, "p0", adopted), partial_stream="partial-p1")
     h.start()
     h.wait_until(lambda: h.producer.stats.groups_written >= len(adopted))
     second = h.stop()
