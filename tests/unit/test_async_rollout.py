@@ -137,6 +137,12 @@ class Harness:
                 raise AssertionError("condition not reached in time")
             time.sleep(0.01)
 
+    def held_again(self) -> None:
+        """Wait until the producer has found itself at its bound once more: it looked at the
+        consumer's cursor and had no room (what it has started then is all it may start)."""
+        before = self.producer.stats.backpressure_seconds
+        self.wait_until(lambda: self.producer.stats.backpressure_seconds > before)
+
     def close(self) -> None:
         for feed in self.feeds:
             feed.close()
@@ -238,19 +244,18 @@ def test_sample_granularity_backfills_a_slot_as_soon_as_a_sample_finishes(harnes
 def test_back_pressure_holds_the_producer_at_capacity(harness):
     # capacity = 1.0 * rollout_batch_size = 4 groups ahead of the trainer
     h = harness(buffer_capacity_factor=1.0).start()
-    time.sleep(0.6)  # a consumer that reads nothing
-    ahead = h.producer.stats.groups_started
-    assert ahead == 4
+    stats = h.producer.stats
+    h.held_again()  # a consumer that reads nothing
+    assert stats.groups_started == 4
     feed = h.feed()
     feed.next_batch(4, 0)
-    time.sleep(0.3)
-    assert h.producer.stats.groups_started == 4, "groups handed to the trainer count until it commits"
+    h.held_again()
+    assert stats.groups_started == 4, "groups handed to the trainer count until it commits"
     feed.commit()  # trained: the producer goes on
-    h.wait_until(lambda: h.producer.stats.groups_started >= 8)
-    time.sleep(0.3)
-    assert h.producer.stats.groups_started == 8
-    stats = h.stop()
-    assert stats.backpressure_seconds > 0.3
+    h.wait_until(lambda: stats.groups_started >= 8)
+    h.held_again()
+    assert stats.groups_started == 8
+    h.stop()
 
 
 # ------------------------------------------------------------------------------- staleness

@@ -149,13 +149,13 @@ def test_each_reader_has_its_own_cursor_and_the_slowest_live_one_holds_the_produ
     fast, slow = h.reader_feed("adapter-fast"), h.reader_feed("adapter-slow")
     first = fast.next_batch(4, 0)
     fast.commit()
-    time.sleep(0.3)
+    h.held_again()
     assert sorted(g.group_index for g in first.groups) == [0, 1, 2, 3]
     assert h.producer.stats.groups_started == 4, "the slow reader (cursor -1) holds the producer"
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         blocked = pool.submit(fast.next_batch, 2, 0)
-        time.sleep(0.3)
+        h.held_again()
         assert not blocked.done(), "the fast reader is capacity (4) groups ahead of the slow one: it waits"
         slow.next_batch(2, 0)
         slow.commit()  # slow cursor 1: room for 2 more groups
@@ -173,7 +173,7 @@ def test_each_reader_has_its_own_cursor_and_the_slowest_live_one_holds_the_produ
         fast.commit()
     assert sorted(g.group_index for g in third) == list(range(6, 16))
     h.wait_until(lambda: h.producer.stats.groups_started == 20)  # 4 ahead of the fast reader (cursor 15)
-    time.sleep(0.3)
+    h.held_again()
     assert h.producer.stats.groups_started == 20
 
     stats = h.stop()
