@@ -4,8 +4,9 @@ Parts:
 - ``SlotScheduler``: at most ``max_concurrent_samples`` samples in flight; whole groups or single
   samples take slots (``AsyncConfig.submit_granularity``), so with ``sample`` a finished sample's
   slot is refilled at once (backfill).
-- ``RolloutProducer``: the asyncio loop. It runs on the engine's event loop; other threads drive it
-  through ``request_stop`` / ``pause`` / ``resume`` (thread-safe).
+- ``RolloutProducer``: the asyncio loop. It runs on the engine's event loop and obeys one control
+  plane, the run folder's (``link``: stop, pause, fence; ``rollout.worker.ProducerLink``), which it
+  polls every ``control_poll_s`` and beats its heartbeat to.
 - ``PolicyRoute``: a policy that generates groups: a name (stamped on each sample as ``adapter``)
   and the engine its requests go through (for a LoRA adapter, an ``AdapterPolicy`` view of the
   shared engine).
@@ -282,7 +283,7 @@ class RolloutProducer:
         weights: WeightStore | None, sampling: SamplingParams, consumer: str | Callable[[], int] = "trainer",
         custom_generate: CustomGenerate | None = None, tokenizer: Any = None, *,
         routes: Sequence[PolicyRoute] | None = None, capacity: int | None = None,
-        version_stamp: Callable[[], dict[str, int]] | None = None, link: ProducerLink | None = None,
+        link: ProducerLink, version_stamp: Callable[[], dict[str, int]] | None = None,
         state_file: str = STATE_FILE, partial_stream: str = PARTIAL_PRODUCER,
     ) -> None:
         self.cfg, self.acfg = cfg, cfg.mode
@@ -312,9 +313,9 @@ class RolloutProducer:
         self.capacity = _capacity(cfg, capacity)
         """Groups the producer may be ahead of the consumer (in flight + unwritten + unconsumed)."""
         self.link = link
-        """The run's control plane as this producer sees it (a fleet member): stop, pause and fence
-        from storage, heartbeats to it, the rest of the fleet's groups in back-pressure. None: driven
-        in memory (``request_stop``, ``pause``) and alone in its stream."""
+        """The run's control plane as this producer sees it: stop, pause and fence from storage (or
+        the link's ``cancel`` event, in this process), heartbeats to it, the size of the fleet that
+        shares the buffer bound."""
         self.state_file = state_file
         self.partial_stream = partial_stream
         """The stream unfinished groups are saved to on stop (partial rollout), and resumed from."""
@@ -357,12 +358,7 @@ class RolloutProducer:
         """Group index -> prompt row of each group cut short by stop and not saved as partial (a
         fleet member gives them back to the prompt pool)."""
 
-    # -------------------------------------------------------------------- control (any thread)
-
-    def request_stop(self) -> None:
-        """Ask the loop to stop (it notices within ``weight_poll_s``); ``run`` returns once in-flight
-        work is settled and written."""
-        self._stop.set()
+    # ------------------------------------------------------------------------------ pause
 
     async def pause(self) -> None:
         """Stop submitting and wait until no request is in the engine (evaluation can borrow it)."""
@@ -378,7 +374,7 @@ class RolloutProducer:
     # --------------------------------------------------------------------------------- the loop
 
     async def run(self) -> ProducerStats:
-        """Produce until ``request_stop``. Raises what broke the producer (after writing its state)."""
+        """Produce until the control plane says stop. Raises what broke the producer (after writing its state)."""
         self._gate = asyncio.Event()
         self._gate.set()
         self._in_engine = _InEngine()
@@ -661,8 +657,8 @@ class RolloutProducer:
                 self._loading = self._spawn(self._update_weights(latest))
 
     async def _poll_control(self) -> None:
-        """A fleet member: heartbeat, and obey stop, pause and fence from the run folder."""
-        if self.link is None or time.monotonic() - self._control_at < self.acfg.control_poll_s:
+        """Heartbeat, and obey stop, pause and fence from the run folder."""
+        if time.monotonic() - self._control_at < self.acfg.control_poll_s:
             return
         self._control_at = time.monotonic()
         signal = await asyncio.to_thread(self.link.poll, self)

@@ -210,8 +210,7 @@ def _run_until_stopped(loop, producer: RolloutProducer, link: ProducerLink):
     try:
         return future.result()
     except BaseException:
-        link.cancel.set()
-        producer.request_stop()
+        link.cancel.set()  # the producer stops at its next look at the control plane
         try:
             future.result(timeout=20)
         except BaseException:  # noqa: BLE001 (the interruption is what propagates)

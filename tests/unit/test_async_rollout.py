@@ -78,6 +78,7 @@ class Harness:
         async_kw.setdefault("weight_poll_s", 0.02)
         async_kw.setdefault("segment_max_wait_s", 0.05)
         async_kw.setdefault("segment_max_groups", 2)
+        async_kw.setdefault("control_poll_s", 0.01)
         self.cfg = RunConfig(
             mode=FullyAsyncMode(**async_kw),
             rollout={"rollout_batch_size": 4, "n_samples_per_prompt": N},
@@ -86,6 +87,7 @@ class Harness:
         self.stream = SampleStream(self.layout.run_dir).sibling(stream_name("p0"))
         self.log = PromptLog(self.layout.run_dir, draw=draw)
         self.recycle_log = PromptLog(self.layout.run_dir)  # the trainer's: its own reader of the log
+        self.control = ControlPlane(self.layout.run_dir)
         self.weights = WeightStore(self.layout.weights)
         self.loop = LoopThread("test-producer")
         self.engine = engine or ScriptedEngine()
@@ -98,6 +100,7 @@ class Harness:
     def new_producer(self, link: ProducerLink | None = None, supply: ClaimedPrompts | None = None,
                      **options: Any) -> RolloutProducer:
         supply = supply or self.supply()
+        link = link or ProducerLink(self.control, Heartbeat("p0", "running"), heartbeat_s=0.02)
         return RolloutProducer(self.cfg, self.engine, supply, score, self.stream, self.layout, self.weights,
                                self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
                                link=link, **options)
@@ -122,7 +125,7 @@ class Harness:
         return feed
 
     def stop(self, timeout: float = 20):
-        self.producer.request_stop()
+        self.producer.link.cancel.set()  # as a fleet member's process does when it is interrupted
         stats = self.future.result(timeout)
         return stats
 
@@ -147,7 +150,7 @@ class Harness:
         for feed in self.feeds:
             feed.close()
         if self.future is not None and not self.future.done():
-            self.producer.request_stop()
+            self.producer.link.cancel.set()
             try:
                 self.future.result(10)
             except Exception:
@@ -473,12 +476,13 @@ def test_pause_holds_generation_and_resume_continues(harness):
     engine = ScriptedEngine(token_latency=0.002)
     h = harness(engine=engine, buffer_capacity_factor=100).start()
     h.wait_until(lambda: len(engine.requests) > 4)
-    h.loop.run(h.producer.pause())
+    h.control.pause("eval-step-1")  # an evaluation borrows the engine, through the run folder
+    h.wait_until(lambda: h.control.heartbeat("p0").paused_for == ["eval-step-1"])
     assert engine._running == 0
-    count = len(engine.requests)
-    time.sleep(0.2)
+    count, beat = len(engine.requests), h.control.heartbeat("p0").beat
+    h.wait_until(lambda: h.control.heartbeat("p0").beat >= beat + 3)  # it goes on beating, paused
     assert len(engine.requests) == count
-    h.loop.run(h.producer.resume())
+    h.control.unpause("eval-step-1")
     h.wait_until(lambda: len(engine.requests) > count)
     h.stop()
 

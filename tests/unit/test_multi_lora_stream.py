@@ -22,7 +22,9 @@ from miles_core.engines.base import GenerateRequest
 from miles_core.engines.policy import AdapterPolicy
 from miles_core.rollout.buffer import DefaultDataBuffer, group_lag
 from miles_core.rollout.consumer import GroupFeed, adapter_view, shared_view
+from miles_core.rollout.fleet import Heartbeat
 from miles_core.rollout.producer import PolicyRoute, RolloutProducer
+from miles_core.rollout.worker import ProducerLink
 from miles_core.storage import RunLayout, SampleStream
 from miles_core.types import Group, Sample, regroup
 
@@ -38,6 +40,7 @@ class MultiHarness(Harness):
         # weights=None: no weight polling, the adapters are pushed to the engine by the test
         return RolloutProducer(self.cfg, self.engine, self.supply(), score, self.stream, self.layout, None,
                                self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
+                               link=ProducerLink(self.control, Heartbeat("p0", "running"), heartbeat_s=0.02),
                                **self.producer_kw)
 
     def reader_feed(self, reader: str, view=None, read_ahead: bool = False) -> GroupFeed:
