@@ -22,11 +22,11 @@ import sys
 
 from deployments import serve as serve_deployments
 from deployments import server as prefect_server
-from miles_core.cli import build_parser, resolve_config
 from miles_core import stopping
+from miles_core.cli import build_parser, resolve_config
 from miles_core.engines import server as engine_server
+from miles_core.models import tiny_model_threads
 from miles_core.storage.lease import RunBusy
-from miles_core.threads import tiny_model_threads
 
 
 def _quiet_defaults(verbose: bool = False) -> None:

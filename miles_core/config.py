@@ -39,7 +39,6 @@ from pydantic import (
     Field,
     NonNegativeInt,
     PlainSerializer,
-    PrivateAttr,
     SerializationInfo,
     field_validator,
     model_validator,
@@ -75,21 +74,6 @@ StorageOptions = Annotated[dict[str, Any], PlainSerializer(_serialise_options, w
 their secret entries are left out; the run resolves them where it starts (the environment, or
 ``storage.credentials_block``). In Python they are whole."""
 
-class _Owner:
-    """A config's link to the config it is part of (set by ``RunConfig``). It takes no part in
-    equality (two equal configs stay equal whoever holds them) and never serialises."""
-
-    __slots__ = ("config",)
-
-    def __init__(self, config: _Base) -> None:
-        self.config = config
-
-    def __eq__(self, other: object) -> bool:  # a table held by a run equals the same table alone
-        return other is None or isinstance(other, _Owner)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 def _form_order(schema: dict[str, Any], cls: type | None = None) -> None:
     """Number a table's fields in the order they are declared (``position``): Prefect's form sorts
     a table's fields by it, and a server on PostgreSQL keeps JSON objects' keys in its own order
@@ -99,32 +83,12 @@ def _form_order(schema: dict[str, Any], cls: type | None = None) -> None:
 
 
 class _Base(BaseModel):
-    """Every config table. An assignment is validated like the field (``validate_assignment``) and,
-    for a part of a ``RunConfig``, against the whole run's rules (``RunConfig.check_whole``); one
-    that breaks a rule raises and changes nothing (pydantic alone keeps a value its model
-    validators rejected, and never runs the parent's)."""
+    """Every config table. Frozen: a changed config is a new one (``RunConfig.updated``, or
+    ``model_copy(update=...)`` for a table alone), validated whole."""
 
     # errors name the field and the rule, never echo the input: it may hold a secret (a URL's credentials)
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              hide_input_in_errors=True,
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, hide_input_in_errors=True,
                               json_schema_extra=_form_order)
-    _owner: _Owner | None = PrivateAttr(default=None)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in type(self).model_fields:
-            super().__setattr__(name, value)
-            return
-        old = self.__dict__.get(name)
-        try:
-            super().__setattr__(name, value)
-            root = self
-            while root._owner is not None:
-                root = root._owner.config
-            if isinstance(root, RunConfig):
-                root.check_whole()
-        except Exception:
-            self.__dict__[name] = old
-            raise
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -1365,16 +1329,6 @@ def _run_schema(schema: dict[str, Any], cls: type | None = None) -> None:
     schema["patternProperties"] = {r"^[A-Za-z_]\w*(\.\w+)+$": {}}
 
 
-def _link(config: _Base) -> None:
-    """Point every table under ``config`` (lists of tables included) at the table it is part of."""
-    for name in type(config).model_fields:
-        value = config.__dict__.get(name)
-        for part in value if isinstance(value, list) else [value]:
-            if isinstance(part, _Base):
-                part._owner = _Owner(config)
-                _link(part)
-
-
 class RunConfig(_Base):
     """A whole training run."""
 
@@ -1424,7 +1378,7 @@ class RunConfig(_Base):
     @field_validator("mode", mode="before")
     @classmethod
     def _mode_name(cls, value: Any) -> Any:
-        """``cfg.mode = "async"``: that mode with its defaults."""
+        """``mode = "async"``: that mode with its defaults."""
         return mode_table(value)
 
     @model_validator(mode="after")
@@ -1456,12 +1410,12 @@ class RunConfig(_Base):
                 "rollout.rollout_function_path replaces the rollout step of sync and async modes; in "
                 "fully_async mode use rollout.custom_generate_function_path (per sample) instead"
             )
-        _link(self)
         return self
 
-    def check_whole(self) -> None:
-        """The run's cross-field rules, after an assignment anywhere in it (``_Base.__setattr__``)."""
-        self._check_batches()
+    def updated(self, overrides: dict[str, Any]) -> RunConfig:
+        """A new config: this one with ``overrides`` on top (``merge_overrides``: dotted keys such as
+        ``{"rollout.num_rollout": 6}`` reach into tables), validated whole."""
+        return RunConfig.model_validate(merge_overrides(self.model_dump(), overrides))
 
     def _check_multi_lora(self) -> None:
         if self.lora is None:

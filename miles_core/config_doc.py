@@ -26,7 +26,7 @@ def _list_item_model(tp) -> type[BaseModel] | None:
 
 
 def _flags_by_path() -> dict[str, list[str]]:
-    from miles_core.cli import FLAGS, SWITCHES
+    from miles_core.miles_flags import FLAGS, SWITCHES
 
     out: dict[str, list[str]] = {}
     for flag, path in FLAGS.items():

@@ -328,103 +328,13 @@ def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished:
                  mine=None) -> Audit:
     """``reader``: the trainer's cursor name; ``mine``: the adapter whose groups that trainer
     trains (the others' written groups are "another adapter's"; None: every group)."""
-    from miles_core.rollout.fleet import RECYCLED, ControlPlane, PromptLog, stream_name
-    from miles_core.storage import SampleStream
-
     result = Audit(run_dir, "fleet")
     trained, rejected = _trained_by_group(entries, result)
-    log = PromptLog(run_dir, options).entries()
-
-    # replay the log: each group index belongs to a prompt instance; a release puts instances in the pool
-    instance_of: dict[int, int] = {}
-    claimed_by: dict[int, str] = {}
-    settled: dict[int, str] = {}  # group index -> released / filtered, and why
-    pool: deque[int] = deque()
-    instances = 0
-    for c in log:
-        if c.kind == "claim":
-            reclaimed = min(len(pool), len(c.rows))
-            for i in range(len(c.rows)):
-                if i < reclaimed:
-                    inst = pool.popleft()
-                else:
-                    inst, instances = instances, instances + 1
-                instance_of[c.group_index(i)] = inst
-                claimed_by[c.group_index(i)] = c.producer or ""
-        elif c.kind == "release":
-            if len(c.groups) != len(c.rows):
-                result.problems.append(f"prompt log entry {c.seq} releases rows without their group indices")
-                continue
-            for gi in c.groups:
-                pool.append(instance_of[gi])
-                settled[gi] = "recycled" if c.reason == RECYCLED else "released"
-        elif c.kind == "filtered":
-            for gi in c.groups:
-                settled[gi] = f"filtered ({c.reason})"
-        elif c.kind == "adopt":  # a producer of a later start continues this partial group: its stream has it
-            for gi in c.groups:
-                claimed_by[gi] = c.producer or ""
-
-    control = ControlPlane(run_dir, options)
-    written: dict[int, tuple[int, bool]] = {}  # group index -> (tokens, at or below the trainer's cursor)
-    partial: set[int] = set()
-    others: set[int] = set()  # written, by another adapter (per-adapter rollouts)
-    base = SampleStream(run_dir, storage_options=options)
-    for producer in sorted(set(claimed_by.values())):
-        stream = base.sibling(stream_name(producer))
-        _count_set_aside(result, [stream])
-        cursor, fence = stream.reader(reader).cursor, control.fence_of(producer)
-        for offset, groups in _segments(stream).items():
-            if fence is not None and offset > fence:
-                continue  # written after it was declared dead: never read, its prompts were given back
-            for gi, _row, tokens, adapter in groups:
-                if mine is not None and adapter != mine:
-                    others.add(gi)
-                    continue
-                written[gi] = (tokens, offset <= cursor)
-                result.tokens["generated"] += tokens
-        for groups in _segments(base.sibling(f"partial-{producer}")).values():
-            partial |= {gi for gi, *_ in groups}
-
+    claims = _replay_prompt_log(run_dir, options, result)
+    streams = _read_fleet_streams(run_dir, options, claims, reader, mine, result)
     outcome_of: dict[int, list[str]] = {}
-    for gi, inst in instance_of.items():
-        if gi in others:
-            what = "another adapter's"
-        elif gi in written:
-            tokens, passed = written[gi]
-            if gi in trained:
-                what = "trained"
-            elif settled.get(gi) == "recycled":
-                what = "recycled"
-                result.tokens["rejected"] += tokens
-            elif gi in rejected:
-                what = f"rejected ({rejected[gi][0]}, {rejected[gi][1]})"
-                result.tokens["rejected"] += tokens
-            elif passed and finished:
-                what = "lost"
-                result.problems.append(f"group {gi} (prompt row of instance {inst}) was written and the trainer's "
-                                       "cursor passed it, but it was neither trained nor rejected")
-                result.tokens["abandoned"] += tokens
-            elif passed:  # rejected in the step that was going on (its entry comes with the step; a resume redoes it)
-                what = "read by the trainer when the run stopped"
-                result.tokens["abandoned"] += tokens
-            else:
-                what = "written, not read by the end"
-                result.tokens["abandoned"] += tokens
-        elif gi in trained:  # its segment was damaged and moved aside: the ledger says what it held
-            what = "trained"
-            result.counts[SET_ASIDE_TRAINED] += 1
-            result.tokens["generated"] += result.ledger_tokens[gi]
-        elif gi in rejected and not settled.get(gi):
-            what = f"rejected ({rejected[gi][0]}, {rejected[gi][1]}; its segment damaged and moved aside since)"
-            result.tokens["generated"] += rejected[gi][2]
-            result.tokens["rejected"] += rejected[gi][2]
-        elif gi in settled:
-            what = settled[gi]
-        elif gi in partial:
-            what = "saved as partial at the end"
-        else:
-            what = "in flight at the end"
+    for gi, inst in claims.instance_of.items():
+        what = _group_outcome(gi, inst, claims, streams, trained, rejected, finished, result)
         outcome_of.setdefault(inst, []).append(what)
     for inst, outcomes in sorted(outcome_of.items()):
         final = outcomes[-1]
@@ -437,8 +347,121 @@ def _audit_fleet(run_dir: str, options, entries: list[dict[str, Any]], finished:
             result.problems.append(f"prompt instance {inst} was claimed, and its producer neither wrote it nor "
                                    "gave it back, in a run that finished")
         result.counts["trained" if "trained" in outcomes else final] += 1
-    result.counts["prompts drawn"] = instances
+    result.counts["prompts drawn"] = claims.instances
     return result
+
+
+@dataclass
+class _Claims:
+    """The prompt log replayed: each group index belongs to a prompt instance (a release puts
+    instances back in the pool, the next claim takes them first)."""
+
+    instance_of: dict[int, int] = field(default_factory=dict)
+    claimed_by: dict[int, str] = field(default_factory=dict)
+    settled: dict[int, str] = field(default_factory=dict)  # group index -> released / filtered, and why
+    instances: int = 0
+
+
+def _replay_prompt_log(run_dir: str, options, result: Audit) -> _Claims:
+    from miles_core.rollout.fleet import RECYCLED, PromptLog
+
+    claims, pool = _Claims(), deque()
+    for c in PromptLog(run_dir, options).entries():
+        if c.kind == "claim":
+            reclaimed = min(len(pool), len(c.rows))
+            for i in range(len(c.rows)):
+                if i < reclaimed:
+                    inst = pool.popleft()
+                else:
+                    inst, claims.instances = claims.instances, claims.instances + 1
+                claims.instance_of[c.group_index(i)] = inst
+                claims.claimed_by[c.group_index(i)] = c.producer or ""
+        elif c.kind == "release":
+            if len(c.groups) != len(c.rows):
+                result.problems.append(f"prompt log entry {c.seq} releases rows without their group indices")
+                continue
+            for gi in c.groups:
+                pool.append(claims.instance_of[gi])
+                claims.settled[gi] = "recycled" if c.reason == RECYCLED else "released"
+        elif c.kind == "filtered":
+            for gi in c.groups:
+                claims.settled[gi] = f"filtered ({c.reason})"
+        elif c.kind == "adopt":  # a producer of a later start continues this partial group: its stream has it
+            for gi in c.groups:
+                claims.claimed_by[gi] = c.producer or ""
+    return claims
+
+
+@dataclass
+class _Written:
+    """What the producers' streams hold, up to each one's fence."""
+
+    groups: dict[int, tuple[int, bool]] = field(default_factory=dict)  # group -> (tokens, at or below the cursor)
+    partial: set[int] = field(default_factory=set)
+    others: set[int] = field(default_factory=set)  # written, by another adapter (per-adapter rollouts)
+
+
+def _read_fleet_streams(run_dir: str, options, claims: _Claims, reader: str, mine, result: Audit) -> _Written:
+    from miles_core.rollout.fleet import ControlPlane, stream_name
+    from miles_core.storage import SampleStream
+
+    control, written = ControlPlane(run_dir, options), _Written()
+    base = SampleStream(run_dir, storage_options=options)
+    for producer in sorted(set(claims.claimed_by.values())):
+        stream = base.sibling(stream_name(producer))
+        _count_set_aside(result, [stream])
+        cursor, fence = stream.reader(reader).cursor, control.fence_of(producer)
+        for offset, groups in _segments(stream).items():
+            if fence is not None and offset > fence:
+                continue  # written after it was declared dead: never read, its prompts were given back
+            for gi, _row, tokens, adapter in groups:
+                if mine is not None and adapter != mine:
+                    written.others.add(gi)
+                    continue
+                written.groups[gi] = (tokens, offset <= cursor)
+                result.tokens["generated"] += tokens
+        for groups in _segments(base.sibling(f"partial-{producer}")).values():
+            written.partial |= {gi for gi, *_ in groups}
+    return written
+
+
+def _group_outcome(gi: int, inst: int, claims: _Claims, written: _Written, trained, rejected, finished: bool,
+                   result: Audit) -> str:
+    """What became of group ``gi`` (of prompt instance ``inst``); counts its tokens and problems."""
+    settled = claims.settled
+    if gi in written.others:
+        return "another adapter's"
+    if gi in written.groups:
+        tokens, passed = written.groups[gi]
+        if gi in trained:
+            return "trained"
+        if settled.get(gi) == "recycled":
+            result.tokens["rejected"] += tokens
+            return "recycled"
+        if gi in rejected:
+            result.tokens["rejected"] += tokens
+            return f"rejected ({rejected[gi][0]}, {rejected[gi][1]})"
+        result.tokens["abandoned"] += tokens
+        if passed and finished:
+            result.problems.append(f"group {gi} (prompt row of instance {inst}) was written and the trainer's "
+                                   "cursor passed it, but it was neither trained nor rejected")
+            return "lost"
+        if passed:  # rejected in the step that was going on (its entry comes with the step; a resume redoes it)
+            return "read by the trainer when the run stopped"
+        return "written, not read by the end"
+    if gi in trained:  # its segment was damaged and moved aside: the ledger says what it held
+        result.counts[SET_ASIDE_TRAINED] += 1
+        result.tokens["generated"] += result.ledger_tokens[gi]
+        return "trained"
+    if gi in rejected and not settled.get(gi):
+        result.tokens["generated"] += rejected[gi][2]
+        result.tokens["rejected"] += rejected[gi][2]
+        return f"rejected ({rejected[gi][0]}, {rejected[gi][1]}; its segment damaged and moved aside since)"
+    if gi in settled:
+        return settled[gi]
+    if gi in written.partial:
+        return "saved as partial at the end"
+    return "in flight at the end"
 
 
 def audit_at_end(run_dir: str, storage_options: dict[str, Any] | None, log) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 - ``miles_flags()``: Miles' flags (``miles_flags.txt``: Miles' own argument files, the Megatron
   flags it re-defaults, its FSDP backend's), then the ones Miles' execution-mode documents use that
   Miles itself does not define (``--lora-count``, ``--model``, ``--sglang-enable-ep-moe``).
-- ``unsupported(flag)``: None when ``miles`` takes the flag (``cli.FLAGS``, ``cli.SWITCHES`` or a
+- ``unsupported(flag)``: None when ``miles`` takes the flag (``FLAGS``, ``SWITCHES`` or a
   flag ``cli`` handles itself), else what to use instead. ``cli.build_parser`` registers every
   unsupported flag so that using it stops with that hint: no Miles flag is ignored, and none is
   taken for an abbreviation of another.
@@ -15,6 +15,139 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+# flag -> dotted path in RunConfig. Names follow Miles where Miles has the flag.
+FLAGS: dict[str, str] = {
+    "--name": "name",
+    "--run-id": "run_id",
+    "--seed": "seed",
+    "--rollout-seed": "seed",  # Miles: the prompt order's and sampling's seed, which ``seed`` is here
+    "--hf-checkpoint": "model.path",
+    "--prompt-data": "data.path",
+    "--input-key": "data.input_key",
+    "--label-key": "data.label_key",
+    "--apply-chat-template": "data.apply_chat_template",
+    "--num-rollout": "rollout.num_rollout",
+    "--rollout-batch-size": "rollout.rollout_batch_size",
+    "--n-samples-per-prompt": "rollout.n_samples_per_prompt",
+    "--rollout-max-response-len": "rollout.rollout_max_response_len",
+    "--rollout-temperature": "rollout.rollout_temperature",
+    "--rollout-top-p": "rollout.rollout_top_p",
+    "--rollout-top-k": "rollout.rollout_top_k",
+    "--rollout-stop": "rollout.rollout_stop",
+    "--rollout-stop-token-ids": "rollout.rollout_stop_token_ids",
+    "--rollout-shuffle": "rollout.rollout_shuffle",
+    "--rm-type": "rollout.reward",
+    "--custom-rm-path": "rollout.reward",
+    "--reward-timeout": "rollout.reward_timeout_s",
+    "--rm-url": "rollout.rm_url",
+    "--custom-reward-post-process-path": "rollout.reward_post_process_path",
+    "--custom-generate-function-path": "rollout.custom_generate_function_path",
+    "--rollout-function-path": "rollout.rollout_function_path",
+    "--custom-async-data-buffer-path": "mode.custom_data_buffer_path",
+    "--global-batch-size": "train.global_batch_size",
+    "--num-steps-per-rollout": "train.num_steps_per_rollout",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--share-prompt-forward": "train.share_prompt_forward",
+    "--lr": "train.lr",
+    "--weight-decay": "train.weight_decay",
+    "--adam-beta1": "train.adam_beta1",
+    "--adam-beta2": "train.adam_beta2",
+    "--clip-grad": "train.clip_grad",
+    "--max-skipped-steps": "train.max_skipped_steps",
+    "--advantage-estimator": "train.loss.type",
+    "--eps-clip": "train.loss.eps_clip",
+    "--eps-clip-high": "train.loss.eps_clip_high",
+    "--eps-clip-c": "train.loss.eps_clip_c",
+    "--entropy-coef": "train.entropy_coef",
+    "--kl-coef": "train.kl_coef",
+    "--kl-loss-coef": "train.kl_loss_coef",
+    "--kl-loss-type": "train.kl_type",
+    "--use-tis": "train.use_tis",
+    "--tis-mode": "train.tis_mode",
+    "--tis-clip": "train.tis_clip",
+    "--tis-clip-low": "train.tis_clip_low",
+    "--train-backend": "train.backend.type",
+    "--zero-stage": "train.backend.zero_stage",
+    "--deepspeed-precision": "train.backend.precision",
+    "--trainer-processes": "train.backend.num_processes",
+    "--trainer-launcher": "train.backend.launcher",
+    "--lora-rank": "lora.rank",
+    "--lora-alpha": "lora.alpha",
+    "--lora-dropout": "lora.dropout",
+    "--target-modules": "lora.target_modules",
+    "--eval-interval": "eval.eval_interval",
+    "--eval-prompt-data": "eval.data.path",
+    "--n-samples-per-eval-prompt": "eval.n_samples_per_prompt",
+    "--eval-temperature": "eval.temperature",
+    "--eval-top-p": "eval.top_p",
+    "--eval-max-response-len": "eval.max_response_len",
+    "--eval-num-prompts": "eval.num_prompts",
+    "--skip-eval-before-train": "eval.skip_eval_before_train",
+    "--save-interval": "checkpoint.save_interval",
+    "--max-tokens-per-gpu": "train.max_tokens_per_gpu",
+    "--keep-checkpoints": "checkpoint.keep_checkpoints",
+    "--mode": "mode.type",
+    "--update-weights-interval": "mode.update_weights_interval",
+    "--async-max-concurrent-samples": "mode.max_concurrent_samples",
+    "--async-submit-granularity": "mode.submit_granularity",
+    "--async-data-buffer-capacity-factor": "mode.buffer_capacity_factor",
+    "--max-weight-staleness": "mode.max_weight_staleness",
+    "--rollout-producers": "mode.rollout_producers",
+    "--rollout-deployment": "mode.rollout_deployment",
+    "--producer-heartbeat-timeout": "mode.producer_heartbeat_timeout_s",
+    "--producer-restarts": "mode.producer_restarts",
+    "--async-unused-samples-handler": "mode.unused_samples_handler",
+    "--dynamic-sampling-filters": "mode.dynamic_filters",
+    "--partial-rollout": "mode.partial_rollout",
+    "--no-progress-seconds": "mode.no_progress_s",
+    "--generation-retries": "mode.generation_retries",
+    "--eval-engine": "eval.engine",
+    "--eval-max-in-flight": "eval.max_in_flight",
+    "--eval-overflow": "eval.overflow",
+    "--multi-lora-n-adapters": "multi_lora.n_adapters",
+    "--lora-count": "multi_lora.n_adapters",
+    "--multi-lora-rollout-source": "multi_lora.rollout_source",
+    "--multi-lora-lead-adapter": "multi_lora.lead_adapter",
+    "--multi-lora-shared-base": "multi_lora.shared_base",
+    "--device-pool": "resources.pool",
+    "--rollout-slots": "resources.rollout_slots",
+    "--train-slots": "resources.train_slots",
+    "--eval-slots": "resources.eval_slots",
+    "--storage-root": "storage.root",
+    "--save": "storage.root",  # Miles' checkpoint folder: here the run folder, checkpoints and all, goes under it
+    "--storage-credentials-block": "storage.credentials_block",
+    "--segment-compression": "storage.segment_compression",
+    "--lr-decay-style": "train.lr_decay_style",
+    "--lr-warmup-iters": "train.lr_warmup_steps",
+    "--lr-decay-iters": "train.lr_decay_steps",
+    "--min-lr": "train.min_lr",
+    "--use-wandb": "tracking.wandb",
+    "--wandb-project": "tracking.wandb_project",
+    "--wandb-team": "tracking.wandb_entity",
+    "--wandb-group": "tracking.wandb_group",
+    "--wandb-mode": "tracking.wandb_mode",
+    "--wandb-dir": "tracking.wandb_dir",
+    "--wandb-run-name": "tracking.wandb_run_name",
+    "--use-tensorboard": "tracking.tensorboard",
+    "--tensorboard-dir": "tracking.tensorboard_dir",
+    "--tb-project-name": "tracking.tensorboard_dir",  # Miles: TensorBoard's log folder
+    "--use-mlflow": "tracking.mlflow",
+    "--mlflow-tracking-uri": "tracking.mlflow_tracking_uri",
+    "--mlflow-experiment-name": "tracking.mlflow_experiment",
+    "--mlflow-run-name": "tracking.mlflow_run_name",
+    "--ui-update-every-s": "tracking.live_every_s",
+}
+# Flags whose value maps to a fixed setting (Miles spellings of our options).
+SWITCHES: dict[str, tuple[str, Any]] = {
+    "--fully-async": ("mode.type", "fully_async"),
+    "--use-rollout-logprobs": ("train.old_logprobs", "rollout"),
+    "--disable-grpo-std-normalization": ("train.loss.advantage_std_normalize", False),
+    "--use-dynamic-batch-size": ("train.use_dynamic_batch_size", True),
+    "--gradient-checkpointing": ("train.gradient_checkpointing", True),
+}
+KL_ALIASES = {"kl": "k1", "low_var_kl": "k3"}
 
 MODE_FLAGS = ("--fully-async", "--num-rollout", "--model", "--rollout-batch-size", "--num-steps-per-rollout",
               "--eval-interval", "--async-max-concurrent-samples", "--async-unused-samples-handler", "--lora-count",
@@ -136,8 +269,6 @@ def miles_flags() -> tuple[str, ...]:
 
 @cache
 def supported() -> frozenset[str]:
-    from miles_core.cli import FLAGS, SWITCHES
-
     return frozenset(FLAGS) | frozenset(SWITCHES) | frozenset(SPECIAL)
 
 
@@ -159,8 +290,6 @@ def hint_for(flag: str) -> str | None:
 def flags_markdown() -> str:
     """``docs/miles-flags.md``: every flag of ``miles_flags()``, whether ``miles`` takes it, and what to
     use where it does not."""
-    from miles_core.cli import FLAGS, SWITCHES
-
     def row(flag: str) -> str:
         hint = unsupported(flag)
         if hint is not None:

@@ -48,6 +48,7 @@ from miles_core.ledger import used_groups
 from miles_core.rollout.fleet import (
     ControlPlane,
     FleetMonitor,
+    Heartbeat,
     PromptLog,
     recycle_to,
     settle_earlier,
@@ -275,7 +276,7 @@ class MultiLoraRun:
         """The run's producer: prompts claimed from the prompt log, one route per generating policy,
         no weight polling (each adapter pushes its own versions), back-pressure from ``live_cursor``."""
         from miles_core.rollout.producer import PolicyRoute
-        from miles_core.rollout.worker import ClaimedPrompts
+        from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
 
         ml = self.cfg.multi_lora
         if ml.rollout_source == "per_adapter":
@@ -295,8 +296,12 @@ class MultiLoraRun:
         self.prompts = ClaimedPrompts(self.prompt_log, self.producer_id, self.rollouts.render_rows,
                                       a.prompt_claim_size)
         pid = self.producer_id
+        # stopped through the run's control plane like a fleet member (``stop_producer`` sets the cancel
+        # event its link polls), beating its heartbeat to fleet/producers/<id>.json
+        link = ProducerLink(self.control, Heartbeat(pid, "running"), a.producer_heartbeat_s, cancel=self._stop_asked)
         self.producer = self.rollouts.producer(
-            self.prompts, self.stream_of(pid), None, consumer=self.live_cursor, routes=routes, capacity=capacity,
+            self.prompts, self.stream_of(pid), None, link=link, consumer=self.live_cursor, routes=routes,
+            capacity=capacity,
             version_stamp=self.version_stamp if ml.rollout_source == "shared" else None,
             state_file=f"state/producer-{pid}.json", partial_stream=f"partial-{pid}",
         )
@@ -304,9 +309,7 @@ class MultiLoraRun:
 
     def run_producer(self) -> dict[str, Any]:
         """Run the producer until ``stop_producer``; its exception is kept for ``check_producer``."""
-        producer = self.producer or self.build_producer()
-        if self._stop_asked.is_set():  # every adapter was done before the producer got going
-            producer.request_stop()
+        producer = self.producer or self.build_producer()  # stopped before it began: its first poll stops it
         try:
             return asdict(self.loop.run(producer.run()))
         except BaseException as e:
@@ -321,9 +324,7 @@ class MultiLoraRun:
                             "will", self.producer_id, type(e).__name__, e)
 
     def stop_producer(self) -> None:
-        self._stop_asked.set()  # before the check: a producer built after it sees the flag
-        if self.producer is not None:
-            self.producer.request_stop()
+        self._stop_asked.set()  # its link's cancel event: the producer stops at its next look
 
     def check_producer(self) -> None:
         """Raise the producer's own exception if it died (every adapter's feed calls this for every batch and as it waits)."""

@@ -13,6 +13,12 @@ Linux reads ``/proc``; elsewhere there is no start time to compare, and ``alive`
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -41,6 +47,51 @@ def identity(pid: int | None = None) -> str | None:
     if fields is None or len(fields) < 20:
         return None
     return f"{_boot_id()}:{fields[19]}"  # field 22 of stat (starttime), counting pid and name
+
+
+def orphaned(parent_pid: int) -> bool:
+    """Whether ``parent_pid`` is no longer this process's parent: it died (even by SIGKILL, which
+    closes no pipe a child would notice in time) and this process was handed to another."""
+    return os.getppid() != parent_pid
+
+
+def when_orphaned(parent_pid: int, action: Callable[[], None], poll_s: float = 0.5,
+                  name: str = "parent-watch") -> None:
+    """Call ``action`` on a daemon thread once ``orphaned(parent_pid)`` (checked every ``poll_s``
+    between bytecodes: a C loop holding the interpreter lock delays it until it lets go)."""
+    def watch() -> None:
+        while not orphaned(parent_pid):
+            time.sleep(poll_s)
+        action()
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when the thread that started it dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM ``proc`` if it runs, SIGKILL it if it has not ended within ``grace_s``; reaps it."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def alive(pid: int, known_as: str | None = None) -> bool:

@@ -208,10 +208,16 @@ class RunRegistry:
         self._lock = threading.Lock()
 
     def get(self, cfg: RunConfig, refs: RunRefs):
+        """The run's live object; a config other than the one it was built with is refused (the
+        object would go on with its own)."""
         with self._lock:
             if refs.run_dir not in self.live:
                 self.live[refs.run_dir] = self.factory(cfg, refs)
-            return self.live[refs.run_dir]
+            live = self.live[refs.run_dir]
+        if cfg is not live.cfg and cfg.model_dump() != live.cfg.model_dump():
+            raise ValueError(f"run {refs.run_dir} is live in this process with another config; "
+                             "a run's config cannot change while it runs (start it again, or use a new run id)")
+        return live
 
     def close(self, refs: RunRefs) -> None:
         with self._lock:

@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from miles_core import processes
+
 SUPERVISED = "MILES_SUPERVISED"
 """Set in the run's process by ``supervise`` to its own pid (the run does not supervise itself
 again, and ``follow_supervisor`` watches that pid)."""
@@ -82,9 +84,7 @@ def follow_supervisor() -> None:
     if not supervisor.isdigit():
         return
 
-    def watch() -> None:
-        while os.getppid() == int(supervisor):  # a parent other than the supervisor: it is gone
-            time.sleep(SUPERVISOR_CHECK_S)
+    def stop_everything() -> None:
         try:
             print(f"miles: the miles command that ran this run (pid {supervisor}) is gone; stopping the run and "
                   "everything it started (resume it with --run-id)", file=sys.stderr, flush=True)
@@ -93,7 +93,7 @@ def follow_supervisor() -> None:
         finally:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
-    threading.Thread(target=watch, name="follow-supervisor", daemon=True).start()
+    processes.when_orphaned(int(supervisor), stop_everything, SUPERVISOR_CHECK_S, name="follow-supervisor")
 
 
 def supervise(argv: list[str], grace_s: float = 120.0) -> int:

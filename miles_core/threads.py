@@ -6,7 +6,7 @@ the other core (OpenMP threads spin while waiting for each other, and one of the
 ``OMP_WAIT_POLICY=PASSIVE`` gave 21-23 in both cases; one thread 32-36 in both. A model this small
 gains little from a second thread and loses most of its speed when anything else runs, so:
 
-- ``tiny_model_threads(model_path)``: the ``miles`` command sets ``OMP_NUM_THREADS=1`` for a run of
+- ``miles_core.models.tiny_model_threads(model_path)``: the ``miles`` command sets ``OMP_NUM_THREADS=1`` for a run of
   the built-in tiny model (torch reads it at import; every process the run starts inherits it)
   unless it is set already;
 - ``one_thread()``: the tiny model's warm start runs on one thread unless ``OMP_NUM_THREADS`` says
@@ -16,18 +16,8 @@ gains little from a second thread and loses most of its speed when anything else
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-
-def tiny_model_threads(model_path: str, env: MutableMapping[str, str] = os.environ) -> None:
-    from miles_core.models import TINY, ModelUnavailable, builtin_name
-
-    try:
-        tiny = builtin_name(model_path) == TINY
-    except ModelUnavailable:  # said later, where the run looks for its model
-        tiny = False
-    if tiny:
-        env.setdefault("OMP_NUM_THREADS", "1")
 
 
 @contextmanager

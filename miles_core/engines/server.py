@@ -57,6 +57,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_core import processes
+
 if TYPE_CHECKING:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -426,7 +428,7 @@ async def _serve(app: Starlette, host: str, port: int, parent_pid: int | None) -
     bound = server.servers[0].sockets[0].getsockname()[1]
     print(f"{READY_PREFIX}http://{host}:{bound}", flush=True)
     while not task.done():
-        if parent_pid is not None and os.getppid() != parent_pid:  # orphaned: nobody will stop us
+        if parent_pid is not None and processes.orphaned(parent_pid):  # nobody will stop us
             server.should_exit = True
         await asyncio.wait([task], timeout=0.5)
     await task

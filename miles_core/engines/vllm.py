@@ -37,7 +37,6 @@ import asyncio
 import os
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -47,6 +46,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_core import processes
 from miles_core.engines.base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_core.engines.http import EngineHTTPError, HTTPEngine, Transport
 from miles_core.storage.fs import copy_to_disk
@@ -456,11 +456,11 @@ class LocalVLLMServer:
                 raise FileNotFoundError(
                     f"engine.python {self.python} does not exist: build vLLM's environment with "
                     "scripts/setup-vllm.sh (or set engine.python to a Python with vllm installed)")
-            self.port = _free_port(self.host)
+            self.port = processes.free_port(self.host)
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
             self.proc = subprocess.Popen(self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self._finalizer = weakref.finalize(self, _terminate, self.proc)
+            self._finalizer = weakref.finalize(self, processes.terminate, self.proc)  # the watchdog takes the server's group down
         try:
             self._wait_ready(time.monotonic() + self.cfg.startup_timeout_s)
         except BaseException:
@@ -474,7 +474,7 @@ class LocalVLLMServer:
             proc, self.proc = self.proc, None
         if proc is None:
             return
-        _terminate(proc)
+        processes.terminate(proc)
         if self._finalizer is not None:
             self._finalizer.detach()
 
@@ -509,17 +509,3 @@ class LocalVLLMServer:
             time.sleep(0.5)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()  # the watchdog takes the server's group down
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if stopping:
             return _stop_group(proc, stopping[0])
-        if os.getppid() != args.parent_pid or not processes.alive(args.parent_pid):  # reparented: the parent died
+        if processes.orphaned(args.parent_pid) or not processes.alive(args.parent_pid):  # the parent died
             print(f"watchdog: parent {args.parent_pid} is gone; stopping {command[0]} (group {proc.pid})",
                   file=sys.stderr, flush=True)
             return _stop_group(proc)

@@ -15,7 +15,8 @@ folder that is not there).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ TINY = BUILTIN_TINY.removeprefix("builtin:")
 BUILTIN_MODELS: dict[str, str] = {TINY: "the tiny character-level addition model (1M parameters; tests and demo)",
                                   **{name: m.description for name, m in PACKAGED.items()}}
 
-__all__ = ["BUILTIN_MODELS", "BUILTIN_TINY", "ModelUnavailable", "builtin_name", "ensure_model"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_TINY", "ModelUnavailable", "builtin_name", "ensure_model", "tiny_model_threads"]
 
 
 def builtin_name(path: str) -> str | None:
@@ -43,6 +44,17 @@ def builtin_name(path: str) -> str | None:
         raise ModelUnavailable(f"model.path={path!r} is neither a built-in model ({known}) nor a local folder: use "
                                f"one of those names, or the path of a Hugging Face model folder")
     return None
+
+
+def tiny_model_threads(model_path: str, env: MutableMapping[str, str] = os.environ) -> None:
+    """``OMP_NUM_THREADS=1`` in ``env`` for a run of the built-in tiny model, unless set already
+    (why: ``miles_core.threads``)."""
+    try:
+        tiny = builtin_name(model_path) == TINY
+    except ModelUnavailable:  # said later, where the run looks for its model
+        tiny = False
+    if tiny:
+        env.setdefault("OMP_NUM_THREADS", "1")
 
 
 def ensure_model(model_cfg: ModelConfig, log: Callable[[str], None] = print, shipped: bool = True) -> Path:

@@ -22,10 +22,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
+
+from miles_core import processes
 
 MAX_WORKERS = max(2, min(4, os.cpu_count() or 2))
 """Worker processes at most (each ~70 MB with sympy); more calls than that wait for one."""
@@ -162,7 +163,9 @@ def _serve() -> None:
     recv = Connection(os.dup(0), writable=False)
     send = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # killed with SIGKILL, the parent closes no pipe we would notice while a call runs: a worker
+    # in the middle of a long call would otherwise go on alone
+    processes.when_orphaned(os.getppid(), lambda: os._exit(1), PARENT_CHECK_S)
     import importlib
 
     for name in sys.argv[1:]:
@@ -184,16 +187,6 @@ def _serve() -> None:
             send.send(reply)
         except Exception as e:  # noqa: BLE001 (an unpicklable result or exception)
             send.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
-
-
-def _exit_with_parent(parent: int) -> None:
-    """End this worker once its parent is gone (killed with SIGKILL, it closes no pipe we would
-    notice while a call runs): a worker in the middle of a long call would otherwise go on alone.
-    Checked every ``PARENT_CHECK_S`` between the call's bytecodes (a C loop that holds the
-    interpreter lock delays it until it lets go)."""
-    while os.getppid() == parent:
-        time.sleep(PARENT_CHECK_S)
-    os._exit(1)
 
 
 if __name__ == "__main__":

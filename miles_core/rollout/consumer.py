@@ -2,8 +2,8 @@
 
 ``GroupFeed.next_batch(n, trainer_version)`` reads new segments into the ``DataBuffer``, takes
 ``n`` trainable groups (sorted by group index), and deals with the rejected ones at once: dropped
-and counted, or (``unused_samples_handler = "retry"``) appended to the ``recycle`` stream, whose
-prompts the producer generates again. While it waits it logs a warning every ``no_progress_s``
+and counted, or (``unused_samples_handler = "retry"``) their prompts go back to the run's prompt
+log, where a producer claims them again. While it waits it logs a warning every ``no_progress_s``
 seconds. It calls ``producer_check`` once per batch and on every poll while it waits: that raises
 the producer's own exception if the producer died, and lets a fleet replace a dead producer while
 the others still keep the trainer fed. ``commit()`` (after the train step) marks the batch's groups used. With ``read_ahead``, a
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.metrics import quantile
 from miles_core.rollout.buffer import DataBuffer, Rejected, group_lag
-from miles_core.rollout.producer import ADAPTER_VERSIONS, RECYCLE_PRODUCER
+from miles_core.rollout.producer import ADAPTER_VERSIONS
 from miles_core.types import Group, Sample, regroup
 
 if TYPE_CHECKING:
@@ -88,10 +88,6 @@ def _restamped(sample: Sample, name: str) -> Sample:
     return replace(sample, span_versions=[v] * len(sample.span_starts), submit_version=v)
 
 
-class ProducerEnded(RuntimeError):
-    """The producer closed its stream before the trainer got the groups it needs."""
-
-
 @dataclass
 class FeedBatch:
     groups: list[Group]
@@ -105,27 +101,26 @@ class FeedBatch:
 class GroupFeed:
     def __init__(
         self,
-        stream: SampleStream,
+        base: SampleStream,
         buffer: DataBuffer,
         cfg: AsyncConfig,
+        streams: Callable[[], list[tuple[SampleStream, int | None]]],
+        recycle: Callable[[list[Group]], None] | None = None,
         reader: str = "trainer",
         producer_check: Callable[[], None] = lambda: None,
         poll_s: float = 0.02,
         warn: Callable[[str], None] = log.warning,
         read_ahead: bool = False,
         view: GroupView | None = None,
-        streams: Callable[[], list[tuple[SampleStream, int | None]]] | None = None,
-        recycle: Callable[[list[Group]], None] | None = None,
         done: set[int] | None = None,
     ) -> None:
-        self.stream = stream
+        self.folder = base.uri.rsplit("/", 1)[0]
+        """Where the producers' streams are: beside the run's ``base`` stream (named in waiting messages)."""
         self.reader_name = reader
         self.streams = streams
-        """A fleet: the producers' streams to read, each with the last offset to read of it (a
-        dead producer's fence) or None; called on every poll, so producers may join. None: just
-        ``stream``."""
+        """The producers' streams to read, each with the last offset to read of it (a dead
+        producer's fence) or None; called on every poll, so producers may join."""
         self.readers: dict[str, StreamReader] = {}
-        self.reader = self._reader_of(stream) if streams is None else None
         self.buffer = buffer
         self.view = view
         """Applied to every group read (see ``adapter_view``, ``shared_view``); None keeps them all."""
@@ -139,11 +134,11 @@ class GroupFeed:
         self._unused: dict[tuple[str, int], int] = {}  # (stream, segment offset) -> groups of it not yet taken
         self._groups_of: dict[tuple[str, int], list[int]] = {}  # the same segments: every group of it read
         self._segment_of: dict[int, tuple[str, int]] = {}  # group index -> (stream, segment offset)
-        self._recycle_fn = recycle
-        """Where rejected groups go with ``unused_samples_handler = "retry"`` (a fleet: its prompt
-        log); None: the ``recycle`` stream beside ``stream``."""
-        retry = cfg.unused_samples_handler == "retry"
-        self._recycle = stream.sibling(RECYCLE_PRODUCER) if retry and recycle is None else None
+        self._recycle = recycle if cfg.unused_samples_handler == "retry" else None
+        """Where rejected groups' prompts go back to (the run's prompt log), with
+        ``unused_samples_handler = "retry"``; otherwise they are dropped."""
+        if cfg.unused_samples_handler == "retry" and recycle is None:
+            raise ValueError("unused_samples_handler = 'retry' needs somewhere to give rejected prompts back to")
         self._handed_out: list[Group] = []
         self._decoded: queue.Queue | None = None  # read-ahead: (offset, groups, not mine) or the reader's error
         self._ahead_lock = threading.Lock()
@@ -174,11 +169,6 @@ class GroupFeed:
                 empty_polls = 0
                 continue
             self.producer_check()
-            if self._ended():
-                raise ProducerEnded(
-                    f"the rollout producer closed {self._where()} after offset {self._positions()}; "
-                    f"the trainer still needs {n - len(groups)} of {n} groups for this step"
-                )
             t_wait = time.monotonic()
             time.sleep(self._backoff(empty_polls))
             empty_polls += 1
@@ -187,7 +177,7 @@ class GroupFeed:
                 warned_at = time.monotonic()
                 self.warn(
                     f"trainer has waited {time.monotonic() - t0:.0f} s for rollout data "
-                    f"({len(groups)}/{n} groups; read up to {self._positions()} of {self._where()})"
+                    f"({len(groups)}/{n} groups; read up to {self._positions()} of {self.folder})"
                 )
         self._handed_out += groups
         groups.sort(key=lambda g: g.group_index)
@@ -223,7 +213,7 @@ class GroupFeed:
     def _backoff(self, empty_polls: int) -> float:
         """How long to wait before looking again: ``poll_s``, doubling while nothing comes, up to
         50 ms per stream read (a fleet of 8 lists its streams 2.5 times a second, not 50)."""
-        streams = 1 if self.streams is None else max(1, len(self.readers))
+        streams = max(1, len(self.readers))
         return min(self.poll_s * 2 ** min(empty_polls, 10), max(self.poll_s, 0.05 * streams, 0.05))
 
     def _reader_of(self, stream: SampleStream) -> StreamReader:
@@ -231,18 +221,12 @@ class GroupFeed:
             self.readers[stream.producer] = stream.reader(self.reader_name)
         return self.readers[stream.producer]
 
-    def _where(self) -> str:
-        """Where this feed reads: its stream, or (a fleet's) the folder of its producers' streams,
-        whose names ``_positions`` gives."""
-        return self.stream.uri if self.streams is None else self.stream.uri.rsplit("/", 1)[0]
-
     def _positions(self) -> str:
         return ", ".join(f"{name} offset {r.position}" for name, r in sorted(self.readers.items())) or "nothing"
 
     def _new_segments(self) -> list[tuple[str, Segment]]:
         """New whole segments of every stream, in a fixed order: by stream name, then offset."""
-        sources = [(self.stream, None)] if self.streams is None else self.streams()
-        sources = sorted(sources, key=lambda s: s[0].producer)
+        sources = sorted(self.streams(), key=lambda s: s[0].producer)
 
         def read(source) -> list[tuple[str, Segment]]:
             stream, last = source
@@ -305,14 +289,6 @@ class GroupFeed:
                 return
             time.sleep(self.poll_s)
 
-    def _ended(self) -> bool:
-        """The stream is closed and every group of it has been handed out or rejected."""
-        if self.streams is not None:
-            return False  # a fleet's producers do not end the run; its monitor says when they are gone
-        with self._ahead_lock:
-            decoded_all = self.reader.finished and (self._decoded is None or self._decoded.empty())
-        return decoded_all and len(self.buffer) == 0
-
     def _reject(self, rejected: list[Rejected]) -> None:
         """Recycle or drop rejected groups now (so the producer's back-pressure sees them used)."""
         if not rejected:
@@ -321,13 +297,10 @@ class GroupFeed:
 
         for r in rejected:
             self.totals[r.reason] += 1
-        retried = self._recycle_fn is not None or self._recycle is not None
+        retried = self._recycle is not None
         self.rejections += [rejection(r, "recycled" if retried else "dropped") for r in rejected]
-        if self._recycle_fn is not None:
-            self._recycle_fn([r.group for r in rejected])
-            self.totals["recycled"] += len(rejected)
-        elif self._recycle is not None:
-            self._recycle.append([s for r in rejected for s in r.group.samples])
+        if retried:
+            self._recycle([r.group for r in rejected])
             self.totals["recycled"] += len(rejected)
         else:
             self.totals["dropped"] += len(rejected)

@@ -26,7 +26,7 @@ Parts:
   beat counter has not moved for ``heartbeat_timeout_s`` seconds, measured on the trainer's own
   clock, is dead; so is one the launcher reports ended, or one that wrote ``failed``), which
   streams to read (and up to where), and what each dead producer claimed but never wrote, which
-  goes back to the pool. Launching and restarting is the launcher's (see ``flows/fleet.py``).
+  goes back to the pool. Launching and restarting is the launcher's (see ``tasks/fleet.py``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Parts:
 - ``SlotScheduler``: at most ``max_concurrent_samples`` samples in flight; whole groups or single
   samples take slots (``AsyncConfig.submit_granularity``), so with ``sample`` a finished sample's
   slot is refilled at once (backfill).
-- ``RolloutProducer``: the asyncio loop. It runs on the engine's event loop; other threads drive it
-  through ``request_stop`` / ``pause`` / ``resume`` (thread-safe).
+- ``RolloutProducer``: the asyncio loop. It runs on the engine's event loop and obeys one control
+  plane, the run folder's (``link``: stop, pause, fence; ``rollout.worker.ProducerLink``), which it
+  polls every ``control_poll_s`` and beats its heartbeat to.
 - ``PolicyRoute``: a policy that generates groups: a name (stamped on each sample as ``adapter``)
   and the engine its requests go through (for a LoRA adapter, an ``AdapterPolicy`` view of the
   shared engine).
@@ -36,7 +37,7 @@ engine of its own). Groups that dynamic filters reject
 are counted per filter. On stop, unfinished groups are counted as abandoned, or, with
 ``partial_rollout``, written to the ``partial`` stream, which the next producer resumes first.
 
-State (``state/producer.json``: next group index, prompt cursor, counters) is written with every
+State (``state/producer.json``: the prompt supply's state, counters) is written with every
 segment, so a restarted producer continues where the last segment left off.
 """
 
@@ -67,16 +68,21 @@ STATE_FILE = "state/producer.json"
 ADAPTER_VERSIONS = "adapter_versions"
 """Metadata key of the version stamp: every adapter's version when the sample's group started."""
 PARTIAL_PRODUCER = "partial"
-RECYCLE_PRODUCER = "recycle"
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 class PromptSupply(Protocol):
-    """Where the producer's prompts come from (the run's ``DataSource`` plus rendering)."""
+    """Where the producer's prompts come from: the run's prompt log, claimed a block at a time
+    (``rollout.worker.ClaimedPrompts``), each prompt with its group index (unique in the run)."""
 
-    def next(self) -> PromptItem: ...
+    def take(self) -> tuple[PromptItem, int]: ...
 
-    def push_back(self, prompt_indices: list[int]) -> None: ...
+    def filtered(self, group: Group, reason: str) -> None:
+        """A dynamic filter dropped ``group``: settled, never to be trained or claimed again."""
+
+    def adopted(self) -> list[tuple[str, set[int]]]:
+        """Partial groups saved by producers of an earlier start that this one continues:
+        (the producer that saved them, their group indices)."""
 
     def state(self) -> dict[str, Any]: ...
 
@@ -141,6 +147,31 @@ class SlotScheduler:
         async with self._changed:
             self._count(-n)
             self._changed.notify_all()
+
+
+class _InEngine:
+    """Counts the producer's calls in the engine; ``drained()`` waits until there are none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = asyncio.Condition()
+
+    async def __aenter__(self) -> None:
+        async with self._changed:
+            self.count += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        async with self._changed:
+            self.count -= 1
+            self._changed.notify_all()
+
+    async def drained(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.count == 0)
+
+
+class _GaveUp(Exception):
+    """A sample's engine calls failed more times than ``generation_retries`` allows."""
 
 
 # ------------------------------------------------------------------------------------ samples
@@ -211,6 +242,8 @@ class _Work:
     """Samples of a resumed partial group: finished ones are kept, aborted ones are continued."""
     route: PolicyRoute
     tasks: list[asyncio.Task] = field(default_factory=list)
+    finishing: asyncio.Task | None = None
+    """Gathers, scores and files the group once every sample has a task."""
 
 
 def _item_of(sample: Sample) -> PromptItem:
@@ -235,7 +268,6 @@ class ProducerStats:
     groups_abandoned: int = 0
     groups_saved_partial: int = 0
     groups_resumed_partial: int = 0
-    groups_recycled_in: int = 0
     weight_updates: int = 0
     weight_update_seconds: float = 0.0
     backpressure_seconds: float = 0.0
@@ -246,25 +278,13 @@ class ProducerStats:
 
 class RolloutProducer:
     def __init__(
-        self,
-        cfg: RunConfig,
-        engine: RolloutEngine,
-        prompts: PromptSupply,
-        reward: Callable[[list[Group]], Awaitable[Any]],
-        stream: SampleStream,
-        layout: RunLayout,
-        weights: WeightStore | None,
-        sampling: SamplingParams,
-        consumer: str | Callable[[], int] = "trainer",
-        custom_generate: CustomGenerate | None = None,
-        tokenizer: Any = None,
-        *,
-        routes: Sequence[PolicyRoute] | None = None,
-        capacity: int | None = None,
-        version_stamp: Callable[[], dict[str, int]] | None = None,
-        link: ProducerLink | None = None,
-        state_file: str = STATE_FILE,
-        partial_stream: str = PARTIAL_PRODUCER,
+        self, cfg: RunConfig, engine: RolloutEngine, prompts: PromptSupply,
+        reward: Callable[[list[Group]], Awaitable[Any]], stream: SampleStream, layout: RunLayout,
+        weights: WeightStore | None, sampling: SamplingParams, consumer: str | Callable[[], int] = "trainer",
+        custom_generate: CustomGenerate | None = None, tokenizer: Any = None, *,
+        routes: Sequence[PolicyRoute] | None = None, capacity: int | None = None,
+        link: ProducerLink, version_stamp: Callable[[], dict[str, int]] | None = None,
+        state_file: str = STATE_FILE, partial_stream: str = PARTIAL_PRODUCER,
     ) -> None:
         self.cfg, self.acfg = cfg, cfg.mode
         self.engine = engine
@@ -290,16 +310,12 @@ class RolloutProducer:
         """Makes each sample instead of one request (multi-turn, tool use); see rollout/generate.py."""
         self.tokenizer = tokenizer
         self.n = cfg.rollout.n_samples_per_prompt
-        if capacity is None:
-            capacity = max(1, round(self.acfg.buffer_capacity_factor * cfg.rollout.rollout_batch_size))
-        elif capacity < 1:
-            raise ValueError(f"producer capacity must be at least 1 group, got {capacity}")
-        self.capacity = capacity
+        self.capacity = _capacity(cfg, capacity)
         """Groups the producer may be ahead of the consumer (in flight + unwritten + unconsumed)."""
         self.link = link
-        """The run's control plane as this producer sees it (a fleet member): stop, pause and fence
-        from storage, heartbeats to it, the rest of the fleet's groups in back-pressure. None: driven
-        in memory (``request_stop``, ``pause``) and alone in its stream."""
+        """The run's control plane as this producer sees it: stop, pause and fence from storage (or
+        the link's ``cancel`` event, in this process), heartbeats to it, the size of the fleet that
+        shares the buffer bound."""
         self.state_file = state_file
         self.partial_stream = partial_stream
         """The stream unfinished groups are saved to on stop (partial rollout), and resumed from."""
@@ -307,15 +323,19 @@ class RolloutProducer:
         """Live producers of the fleet this one is in (the trainer says, in ``fleet/ahead.json``):
         each may hold its share of ``capacity`` ahead of the trainer, so the fleet holds at most
         ``capacity`` whatever the delay of what they know of each other."""
-        self._control_at = 0.0
-        self._paused_for: list[str] = []
         self.filters = GroupFilters(self.acfg.dynamic_filters)
         self.stats = ProducerStats()
+        self._init_loop_state()
+
+    def _init_loop_state(self) -> None:
+        """What the loop keeps track of as it runs (nothing of it survives the producer)."""
+        self._control_at = 0.0
+        self._paused_for: list[str] = []
         self.scheduler: SlotScheduler | None = None
         self._stop = threading.Event()
         self._gate: asyncio.Event | None = None  # set: requests may be submitted
         self._paused = False
-        self._calls_in_engine = 0
+        self._in_engine: _InEngine | None = None
         self._works: set[_Work] = set()
         self._open: _Work | None = None  # sample granularity: the group whose samples are being started
         self._queue: list[_Work] = []  # resumed partial groups, started before new prompts
@@ -324,7 +344,6 @@ class RolloutProducer:
         self._oldest_finished_at: float | None = None
         self._segment_groups: dict[int, int] = {}  # offset -> groups in it (for back-pressure)
         self._used_after = 0  # groups the consumer used in those segments, as it last said
-        self._next_group = 0
         self._routed = 0  # groups started on a route so far (round robin)
         self._error: BaseException | None = None
         self._seen_weights_at = 0.0
@@ -339,19 +358,13 @@ class RolloutProducer:
         """Group index -> prompt row of each group cut short by stop and not saved as partial (a
         fleet member gives them back to the prompt pool)."""
 
-    # -------------------------------------------------------------------- control (any thread)
-
-    def request_stop(self) -> None:
-        """Ask the loop to stop (it notices within ``weight_poll_s``); ``run`` returns once in-flight
-        work is settled and written."""
-        self._stop.set()
+    # ------------------------------------------------------------------------------ pause
 
     async def pause(self) -> None:
         """Stop submitting and wait until no request is in the engine (evaluation can borrow it)."""
         self._paused = True
         self._gate.clear()
-        while self._calls_in_engine:
-            await asyncio.sleep(0.01)
+        await self._in_engine.drained()
 
     async def resume(self) -> None:
         self._paused = False
@@ -361,21 +374,21 @@ class RolloutProducer:
     # --------------------------------------------------------------------------------- the loop
 
     async def run(self) -> ProducerStats:
-        """Produce until ``request_stop``. Raises what broke the producer (after writing its state)."""
+        """Produce until the control plane says stop. Raises what broke the producer (after writing its state)."""
         self._gate = asyncio.Event()
         self._gate.set()
+        self._in_engine = _InEngine()
         self.scheduler = SlotScheduler(self.acfg.max_concurrent_samples)
         started = time.monotonic()
         self._load_state()
         self._writer = self.stream.writer(max_pending=2)
-        self._recycle = self.stream.sibling(RECYCLE_PRODUCER)
         self._partial = self.stream.sibling(self.partial_stream)
         await asyncio.to_thread(self._resume_partial_groups)
         try:
             while not self._stop.is_set():
                 self._raise_if_failed()
                 await self._poll_control()
-                await self._poll_weights_and_recycled()
+                await self._poll_weights()
                 await self._flush(force=False)
                 if not self._gate.is_set():  # paused, or loading weights: on as soon as it opens
                     try:
@@ -419,7 +432,7 @@ class RolloutProducer:
         if unit == self.n:
             work = await self._new_work()
             work.tasks = [self._spawn(self._sample(work, j), release=1) for j in range(self.n)]
-            self._spawn(self._finish_group(work))
+            work.finishing = self._spawn(self._finish_group(work))
             return
         if self._open is None:
             self._open = await self._new_work()
@@ -427,13 +440,13 @@ class RolloutProducer:
         work.tasks.append(self._spawn(self._sample(work, len(work.tasks)), release=1))
         if len(work.tasks) == self.n:
             self._open = None
-            self._spawn(self._finish_group(work))
+            work.finishing = self._spawn(self._finish_group(work))
 
     async def _new_work(self) -> _Work:
         if self._queue:
             work = self._queue.pop(0)
         else:
-            item, index = await asyncio.to_thread(self._next_prompt)
+            item, index = await asyncio.to_thread(self.prompts.take)
             work = _Work(item, index, [None] * self.n, self._next_route())
         if self.version_stamp is not None and ADAPTER_VERSIONS not in work.item.metadata:
             # a resumed partial group keeps the stamp of its first start (its oldest spans)
@@ -447,16 +460,6 @@ class RolloutProducer:
     def share(self) -> int:
         """The groups this producer may hold ahead of the trainer: its share of ``capacity``."""
         return max(1, -(-self.capacity // max(1, self.fleet_size)))
-
-    def _next_prompt(self) -> tuple[PromptItem, int]:
-        """The next prompt and its group index: a fleet's claimed prompts carry their own (unique
-        across producers); otherwise this producer counts them."""
-        take = getattr(self.prompts, "take", None)
-        if take is not None:
-            return take()
-        item, index = self.prompts.next(), self._next_group
-        self._next_group += 1
-        return item, index
 
     def _next_route(self) -> PolicyRoute:
         """Round robin over the routes, by the groups this producer started (group indices of
@@ -496,36 +499,22 @@ class RolloutProducer:
             return await self._custom_sample(work, j)
         engine = work.route.engine
         traj = _Trajectory.of(resumed) if resumed is not None else _Trajectory(engine.weight_version)
-        attempts = 0
         while True:
-            await self._gate.wait()
-            if self._stop.is_set():  # never submit after stop; the sample is unfinished
-                traj.finish = "abort"
-                break
             remaining = self.sampling.max_new_tokens - len(traj.output_ids)
             request = GenerateRequest(
                 list(work.item.prompt_ids) + traj.output_ids,
                 replace(self.sampling, max_new_tokens=remaining, seed=self._seed(work.group_index, j, traj)),
                 rid=f"g{work.group_index}-s{j}",
             )
-            self._calls_in_engine += 1
             try:
-                (result,) = await engine.generate([request])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the engine failed this request: retry, then count it
-                attempts += 1
-                self.stats.generation_errors += 1
-                if attempts > self.acfg.generation_retries:
-                    if isinstance(e, EngineUnreachable) and not isinstance(e, EngineTimeout):  # the engine is gone
-                        raise EngineUnreachable(f"rollout producer: its engine did not answer request {request.rid} "
-                                                f"{attempts} times; last: {e}") from e
-                    traj.error = f"generation failed {attempts} times; last: {type(e).__name__}: {e}"
-                    break
-                await asyncio.sleep(min(0.1 * 2 ** (attempts - 1), 2.0))
-                continue
-            finally:
-                self._calls_in_engine -= 1
+                results = await self._in_engine_with_retries(lambda: engine.generate([request]), f"request {request.rid}")
+            except _GaveUp as e:
+                traj.error = f"generation {e}"
+                break
+            if results is None:  # stopped before it was submitted: the sample is unfinished
+                traj.finish = "abort"
+                break
+            (result,) = results
             traj.add(result)
             continuing = result.finish_reason == "abort" and self.acfg.partial_rollout and not self._stop.is_set()
             if not continuing or remaining - len(result.output_ids) <= 0:
@@ -535,29 +524,45 @@ class RolloutProducer:
     async def _custom_sample(self, work: _Work, j: int) -> Sample:
         """A sample from the custom generate function, with the same retries and counting."""
         traj = _Trajectory(work.route.engine.weight_version)
-        for attempt in range(1, self.acfg.generation_retries + 2):
+        sampling = replace(self.sampling, seed=self._seed(work.group_index, j, traj))
+        ctx = GenerateContext(work.route.engine, self.tokenizer, sampling, work.group_index, j)
+        try:
+            sample = await self._in_engine_with_retries(
+                lambda: run_custom_generate(self.custom_generate, ctx, work.item), f"custom generate of g{work.group_index}-s{j}")
+        except _GaveUp as e:
+            traj.error = f"custom generate {e}"
+            return traj.sample(work.item, work.group_index, j, work.route.name)
+        if sample is None:
+            traj.finish = "abort"
+            return traj.sample(work.item, work.group_index, j, work.route.name)
+        sample.adapter = work.route.name
+        if ADAPTER_VERSIONS in work.item.metadata:  # a sample built without ctx.new_sample
+            sample.metadata.setdefault(ADAPTER_VERSIONS, work.item.metadata[ADAPTER_VERSIONS])
+        return sample
+
+    async def _in_engine_with_retries(self, call: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """``await call()`` once the gate is open, counted in the engine; a failure is retried
+        ``generation_retries`` times with back-off, then ``_GaveUp`` (or ``EngineUnreachable``
+        when the engine itself stopped answering: the producer stops). None: stopped first."""
+        attempts = 0
+        while True:
             await self._gate.wait()
-            if self._stop.is_set():
-                traj.finish = "abort"
-                break
-            sampling = replace(self.sampling, seed=self._seed(work.group_index, j, traj))
-            ctx = GenerateContext(work.route.engine, self.tokenizer, sampling, work.group_index, j)
-            self._calls_in_engine += 1
+            if self._stop.is_set():  # never submit after stop
+                return None
             try:
-                sample = await run_custom_generate(self.custom_generate, ctx, work.item)
-                sample.adapter = work.route.name
-                if ADAPTER_VERSIONS in work.item.metadata:  # a sample built without ctx.new_sample
-                    sample.metadata.setdefault(ADAPTER_VERSIONS, work.item.metadata[ADAPTER_VERSIONS])
-                return sample
+                async with self._in_engine:
+                    return await call()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # the engine failed this call: retry, then count it
+                attempts += 1
                 self.stats.generation_errors += 1
-                traj.error = f"custom generate failed {attempt} times; last: {type(e).__name__}: {e}"
-                await asyncio.sleep(min(0.1 * 2 ** (attempt - 1), 2.0))
-            finally:
-                self._calls_in_engine -= 1
-        return traj.sample(work.item, work.group_index, j, work.route.name)
+                if attempts > self.acfg.generation_retries:
+                    if isinstance(e, EngineUnreachable) and not isinstance(e, EngineTimeout):  # the engine is gone
+                        raise EngineUnreachable(f"rollout producer: its engine did not answer {what} "
+                                                f"{attempts} times; last: {e}") from e
+                    raise _GaveUp(f"failed {attempts} times; last: {type(e).__name__}: {e}") from e
+            await asyncio.sleep(min(0.1 * 2 ** (attempts - 1), 2.0))
 
     def _seed(self, group_index: int, j: int, traj: _Trajectory) -> int | None:
         """A per-request seed (reproducible runs) when the sampling params carry one."""
@@ -584,9 +589,7 @@ class RolloutProducer:
             dropped_by = self.filters.rejected_by(group)
             if dropped_by is not None:
                 self.stats.groups_filtered = dict(self.filters.dropped)
-                settle = getattr(self.prompts, "filtered", None)  # a fleet's prompt log records it
-                if settle is not None:
-                    await asyncio.to_thread(settle, group, dropped_by)
+                await asyncio.to_thread(self.prompts.filtered, group, dropped_by)
                 return
             if not self._finished:
                 self._oldest_finished_at = time.monotonic()
@@ -642,7 +645,7 @@ class RolloutProducer:
             return (int(found[0]), int(found[1])) if isinstance(found, tuple) else (int(found), 0)
         return self.stream.reader(self.consumer).progress()
 
-    async def _poll_weights_and_recycled(self) -> None:
+    async def _poll_weights(self) -> None:
         now = time.monotonic()
         if now - self._seen_weights_at < self.acfg.weight_poll_s:
             return
@@ -652,15 +655,15 @@ class RolloutProducer:
             if latest is not None and latest > self.engine.weight_version:
                 self._gate.clear()  # nothing new starts from now until the load is done
                 self._loading = self._spawn(self._update_weights(latest))
-        if self.acfg.unused_samples_handler == "retry" and not hasattr(self.prompts, "take"):
-            await asyncio.to_thread(self._take_recycled)  # claimed prompts' come back through the prompt log
 
     async def _poll_control(self) -> None:
-        """A fleet member: heartbeat, and obey stop, pause and fence from the run folder."""
-        if self.link is None or time.monotonic() - self._control_at < self.acfg.control_poll_s:
+        """Heartbeat, and obey stop, pause and fence from the run folder."""
+        if time.monotonic() - self._control_at < self.acfg.control_poll_s:
             return
         self._control_at = time.monotonic()
         signal = await asyncio.to_thread(self.link.poll, self)
+        if signal.fleet_size is not None:
+            self.fleet_size = signal.fleet_size
         if signal.stop:
             self._stop.set()
         if signal.pause_holders and not self._paused_for and self._pausing is None:
@@ -692,7 +695,7 @@ class RolloutProducer:
             "status": "paused" if self._paused_for else "running",
             "weight_version": int(version) if isinstance(version, int) else 0,
             "outstanding": self._outstanding(),
-            "in_engine": self._calls_in_engine,
+            "in_engine": self._in_engine.count if self._in_engine is not None else 0,
             "paused_for": list(self._paused_for),
             "stats": asdict(self.stats),
         }
@@ -713,22 +716,6 @@ class RolloutProducer:
         self.stats.weight_updates += 1
         self.stats.weight_update_seconds += time.monotonic() - t0
 
-    def _take_recycled(self) -> None:
-        """Prompts of groups the consumer rejected come back to the prompt supply, first in line."""
-        reader = self._recycle.reader("producer")
-        segments = reader.read()
-        if not segments:
-            return
-        indices = []
-        for segment in segments:
-            seen = {}
-            for s in segment.samples():
-                seen.setdefault(s.group_index, s.prompt_index)
-            indices += list(seen.values())
-        self.prompts.push_back(indices)
-        self.stats.groups_recycled_in += len(indices)
-        reader.commit(segments[-1].offset)
-
     def _resume_partial_groups(self) -> None:
         """Unfinished groups saved at a stop are started before any new prompt: those in this
         producer's own partial stream, and those it adopted from producers of an earlier start
@@ -738,8 +725,7 @@ class RolloutProducer:
         reader = self._partial.reader("producer")
         segments = reader.read()
         groups = [g for segment in segments for g in regroup(segment.samples())]
-        adopted = getattr(self.prompts, "adopted", None)
-        for source, indices in adopted() if adopted is not None else []:
+        for source, indices in self.prompts.adopted():
             stream = self.stream.sibling(f"partial-{source}")
             groups += [g for seg in stream.read() for g in regroup(seg.samples()) if g.group_index in indices]
         for group in groups:
@@ -757,10 +743,7 @@ class RolloutProducer:
         if "prompts" in state:
             self.prompts.load_state(state["prompts"])
         existing = self.stream.offsets()
-        self._next_group = int(state.get("next_group_index", 0))
-        if existing:  # groups written after the last state save must not reuse their indices
-            last = self.stream.read_segment(existing[-1])
-            self._next_group = max(self._next_group, int(max(last.table.column("group_index").to_pylist())) + 1)
+        if existing:  # written before a restart and not consumed yet: they count toward the bound
             cursor = self._consumer_cursor()
             for offset in existing:
                 if offset > cursor:
@@ -775,7 +758,6 @@ class RolloutProducer:
         self.layout.write_json(self.state_file, {
             "status": status,
             "error": error,
-            "next_group_index": self._next_group,
             "prompts": self.prompts.state(),
             "stats": asdict(self.stats),
             "in_flight_samples": self.scheduler.in_flight if self.scheduler else 0,
@@ -796,12 +778,12 @@ class RolloutProducer:
         if self._open is not None:  # sample granularity: a group whose samples are not all started
             work = self._open
             work.tasks += [self._spawn(self._unstarted(work, j)) for j in range(len(work.tasks), self.n)]
-            self._spawn(self._finish_group(work))
+            work.finishing = self._spawn(self._finish_group(work))
             self._open = None
         await self.engine.abort()
-        deadline = time.monotonic() + 30
-        while self._works and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        finishing = [work.finishing for work in self._works if work.finishing is not None]
+        if finishing:
+            await asyncio.wait(finishing, timeout=30)
         self._raise_if_failed()
         if self._unfinished and self.acfg.partial_rollout:  # the next producer resumes them first
             await asyncio.to_thread(self._partial.append, sorted(self._unfinished, key=lambda g: g.group_index))
@@ -816,6 +798,15 @@ class RolloutProducer:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _capacity(cfg: RunConfig, capacity: int | None) -> int:
+    """The producer's bound in groups: ``capacity``, or ``buffer_capacity_factor`` rollout batches."""
+    if capacity is None:
+        return max(1, round(cfg.mode.buffer_capacity_factor * cfg.rollout.rollout_batch_size))
+    if capacity < 1:
+        raise ValueError(f"producer capacity must be at least 1 group, got {capacity}")
+    return capacity
 
 
 def _describe(e: BaseException) -> str:

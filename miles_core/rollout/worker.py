@@ -13,7 +13,7 @@
 - ``ClaimedPrompts``: the producer's prompt supply, ``prompt_claim_size`` prompts per claim.
 - ``SubprocessLauncher``: the laptop default: each producer is ``python -m miles_core.rollout.worker``,
   a child process of the trainer's, given its config on stdin (secrets never touch disk or argv).
-  ``flows/fleet.py`` has the other launcher, flow runs of a deployment.
+  ``tasks/fleet.py`` has the other launcher, flow runs of a deployment (``DeploymentLauncher``).
 """
 
 from __future__ import annotations
@@ -31,19 +31,20 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, ProducerFenced, stream_name
+from miles_core import processes
+from miles_core.rollout.fleet import ControlPlane, Heartbeat, ProducerFenced, PromptLog, stream_name
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
-    from miles_core.types import Group
     from miles_core.rollout.generate import PromptItem
     from miles_core.rollout.producer import RolloutProducer
     from miles_core.session.refs import RunRefs
+    from miles_core.types import Group
 
 
 class ClaimedPrompts:
-    """A fleet member's prompts: blocks claimed from the run's prompt log, each prompt with its
-    group index (unique across the fleet). ``push_back`` (a recycled prompt) releases to the log."""
+    """A producer's prompts (its ``PromptSupply``): blocks claimed from the run's prompt log, each
+    prompt with its group index (unique in the run)."""
 
     def __init__(self, log: PromptLog, producer: str, render, block: int) -> None:
         self.log, self.producer, self.render, self.block = log, producer, render, block
@@ -59,13 +60,6 @@ class ClaimedPrompts:
                 items = self.render(claim.rows)
                 self._queue.extend((item, claim.group_index(i)) for i, item in enumerate(items))
             return self._queue.popleft()
-
-    def next(self) -> PromptItem:
-        return self.take()[0]
-
-    def push_back(self, prompt_indices: list[int]) -> None:
-        with self._lock:
-            self.log.release(prompt_indices, reason="pushed back", producer=self.producer)
 
     def unstarted(self) -> dict[int, int]:
         """Group index -> row of the prompts claimed and not started yet."""
@@ -95,8 +89,12 @@ class ClaimedPrompts:
 
 @dataclass
 class Signal:
+    """What one poll of the control plane tells a producer."""
+
     stop: bool = False
     pause_holders: list[str] = field(default_factory=list)
+    fleet_size: int | None = None
+    """Live producers sharing the buffer bound (``fleet/ahead.json``), when this poll read it."""
 
 
 class ProducerLink:
@@ -119,14 +117,14 @@ class ProducerLink:
             raise ProducerFenced(f"producer {self.hb.producer} was declared dead by the trainer "
                                  f"({self.control.files.url(f'control/fence/{self.hb.producer}.json')}); stopping")
         stop = self.cancel.is_set() or signals.stop
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+        if self.parent_pid is not None and processes.orphaned(self.parent_pid):
             stop = True
-        now = time.monotonic()
+        now, fleet_size = time.monotonic(), None
         if beat_now or now - self._beat_at >= self.heartbeat_s:
             self.beat(**producer.heartbeat_fields())
             self._beat_at = now
-            producer.fleet_size = len(set(self.control.ahead()) | {self.hb.producer})
-        return Signal(stop, signals.pause_holders)
+            fleet_size = len(set(self.control.ahead()) | {self.hb.producer})
+        return Signal(stop, signals.pause_holders, fleet_size)
 
     def beat(self, **fields: Any) -> None:
         with self._lock:
@@ -212,8 +210,7 @@ def _run_until_stopped(loop, producer: RolloutProducer, link: ProducerLink):
     try:
         return future.result()
     except BaseException:
-        link.cancel.set()
-        producer.request_stop()
+        link.cancel.set()  # the producer stops at its next look at the control plane
         try:
             future.result(timeout=20)
         except BaseException:  # noqa: BLE001 (the interruption is what propagates)

@@ -86,26 +86,8 @@ class Checkpointer:
         with neither (killed in its first step) starts again from the first prompt (``state/data_source.json``
         is removed);
         ValueError when the newest checkpoint is past ``num_rollout``."""
-        from miles_core.storage.layout import CHECKPOINTS
-
         layout = self.files.layout
-        steps = layout.checkpoints()
-        incomplete = layout.incomplete_checkpoints()
-        if not steps and history.has_steps():
-            found = (f"; in {layout.url(CHECKPOINTS)} only incomplete checkpoint folders (saves that did not "
-                     f"finish): {', '.join(incomplete)}" if incomplete else "")
-            why = ("" if self.cfg.checkpoint.save_interval is None else
-                   f" (it saves one every {self.cfg.checkpoint.save_interval} steps: none was completed)")
-            raise RuntimeError(
-                f"run {self.refs.run_id} ({self.refs.run_dir}) already has training steps in metrics.jsonl but "
-                f"no checkpoint to resume from{why}{found}; use a new run id"
-                + (", and set checkpoint.save_interval (--save-interval N) to make a run resumable"
-                   if self.cfg.checkpoint.save_interval is None else "")
-            )
-        for name in incomplete:  # nothing else writes this run (its lease): what is there was left by a failed save
-            layout.remove_checkpoint_folder(name)
-            log.warning("removed checkpoint folder %s: incomplete (a save that did not finish)",
-                        layout.url(CHECKPOINTS, name))
+        steps = self._complete_checkpoints(history)
         if not steps:
             ledger.rewind(layout, 0)  # a step that was killed before its metrics row
             layout.remove(SOURCE_STATE)  # and the prompts its rollout drew: the restarted run draws them again
@@ -133,6 +115,30 @@ class Checkpointer:
             self.skipped = unusable
             return step, state
         raise RuntimeError(f"run {self.refs.run_id}: none of its checkpoints can be loaded:\n" + "\n".join(unusable))
+
+    def _complete_checkpoints(self, history: RunHistory) -> list[int]:
+        """The steps of the run's complete checkpoints, once incomplete folders (failed saves) are
+        deleted; RuntimeError for a run with steps in ``metrics.jsonl`` and no checkpoint."""
+        from miles_core.storage.layout import CHECKPOINTS
+
+        layout = self.files.layout
+        steps, incomplete = layout.checkpoints(), layout.incomplete_checkpoints()
+        if not steps and history.has_steps():
+            found = (f"; in {layout.url(CHECKPOINTS)} only incomplete checkpoint folders (saves that did not "
+                     f"finish): {', '.join(incomplete)}" if incomplete else "")
+            why = ("" if self.cfg.checkpoint.save_interval is None else
+                   f" (it saves one every {self.cfg.checkpoint.save_interval} steps: none was completed)")
+            raise RuntimeError(
+                f"run {self.refs.run_id} ({self.refs.run_dir}) already has training steps in metrics.jsonl but "
+                f"no checkpoint to resume from{why}{found}; use a new run id"
+                + (", and set checkpoint.save_interval (--save-interval N) to make a run resumable"
+                   if self.cfg.checkpoint.save_interval is None else "")
+            )
+        for name in incomplete:  # nothing else writes this run (its lease): what is there was left by a failed save
+            layout.remove_checkpoint_folder(name)
+            log.warning("removed checkpoint folder %s: incomplete (a save that did not finish)",
+                        layout.url(CHECKPOINTS, name))
+        return steps
 
     def _load(self, step: int, trainer: Trainer) -> dict[str, Any]:
         """Checkpoint ``step``'s state (checked) with ``trainer`` loaded from it; raises what broke."""

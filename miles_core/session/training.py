@@ -22,7 +22,7 @@ from miles_core.config import RunConfig
 from miles_core.ledger import write_step
 from miles_core.rewards import MAX_ERRORS_KEPT, reward_errors
 from miles_core.rollout.generate import rollout_metrics
-from miles_core.session.parts import RunFiles, built_once, is_built, weights_uri
+from miles_core.session.parts import RunFiles, built_once, weights_uri
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
 from miles_core.stopping import RunStopped, stop_requested
 from miles_core.types import Group
@@ -56,14 +56,14 @@ class TrainerSide:
         self.producer_check, self.producer_metrics = producer_check, producer_metrics
         self.streams, self.recycle = streams, recycle
         """Fully async: the producers' streams the feed reads, each with its fence (a fleet's, or a
-        multi-LoRA run's producers), and where rejected groups' prompts go back to (its prompt log);
-        None: the run's one stream and its ``recycle`` stream."""
+        multi-LoRA run's producers), and where rejected groups' prompts go back to (its prompt log)."""
         self.skipped_in_a_row: list[str] = []
         """The latest steps that changed nothing, and why (``train.max_skipped_steps`` fail the run)."""
         self.done_before: set[int] = set()
         """Fully async, resumed: groups settled before the checkpoint (``restore_feed``)."""
         self.rejections_before: list[list] = []
         """Fully async, resumed: rejections the checkpoint had not written to the ledger yet."""
+        self._feed: GroupFeed | None = None
 
     @built_once
     def trainer(self):
@@ -162,21 +162,22 @@ class TrainerSide:
 
     def feed(self, warn=None) -> GroupFeed:
         """The trainer's side of the stream (built once; ``warn`` receives no-progress warnings)."""
-        if not is_built(self, "_feed"):
+        if self._feed is None:
             from miles_core.rollout.buffer import make_buffer
             from miles_core.rollout.consumer import GroupFeed
 
             a = self.cfg.mode
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
+            if self.streams is None or self.recycle is None:
+                raise RuntimeError("a fully-async trainer reads its producers' streams: start its fleet first")
             kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
-            if self.streams is not None:
-                kwargs.update(streams=self.streams, recycle=self.recycle)
-            self.__dict__["_feed"] = GroupFeed(self.files.stream, buffer, a, reader=self.reader, view=self.view,
-                                               read_ahead=a.read_ahead, producer_check=self.producer_check,
-                                               done=self.done_before, **kwargs)
-            self.__dict__["_feed"].rejections = list(self.rejections_before)
-        return self.__dict__["_feed"]
+            self._feed = GroupFeed(self.files.stream, buffer, a, self.streams, self.recycle, reader=self.reader,
+                                   view=self.view,
+                                   read_ahead=a.read_ahead, producer_check=self.producer_check,
+                                   done=self.done_before, **kwargs)
+            self._feed.rejections = list(self.rejections_before)
+        return self._feed
 
     def train_from_stream(self, step: int, warn=None) -> TrainRef:
         """Wait for ``rollout_batch_size`` trainable groups from the producers, train on them,
@@ -239,8 +240,8 @@ class TrainerSide:
 
     def close_feed(self) -> None:
         """Stop reading (a multi-LoRA adapter that finished: it no longer holds the producer back)."""
-        if is_built(self, "_feed"):
-            self.__dict__["_feed"].close()
+        if self._feed is not None:
+            self._feed.close()
 
     def close(self) -> None:
         self.close_feed()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import hashlib
 import io
 import logging
@@ -60,6 +61,8 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
         raise ImportError(f"cannot open {url!r}: {e}") from e
     except (ValueError, TypeError) as e:  # never echo the options: they may hold credentials
         raise ValueError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
+    if is_s3(fs):
+        fs.retries = 1  # s3fs's own retry loop (5 by default) would multiply ours too
     return fs, path.rstrip("/") or path
 
 
@@ -458,8 +461,8 @@ def cas_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tag: str | 
     """Replace ``path`` with ``data`` only if it still has ``tag`` (from ``read_with_tag``);
     ``tag=None``: only if it does not exist. PreconditionFailed when another writer got there first.
 
-    s3://: ``If-Match: <etag>`` / ``If-None-Match: *``. Local and memory: a process-wide lock
-    (one machine; good enough for tests and single-node runs)."""
+    s3://: ``If-Match: <etag>`` / ``If-None-Match: *``. Local files: an exclusive ``flock`` on a
+    hidden file beside ``path``, across the processes of one machine. memory://: a process-wide lock."""
     if is_s3(fs):
         bucket, key = _split_s3(fs, path)
         cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
@@ -473,11 +476,25 @@ def cas_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tag: str | 
             raise
         fs.invalidate_cache(path)
         return
-    with _memory_lock:
+    with _exclusive(fs, path):
         _, current = read_with_tag(fs, path)
         if current != tag:
             raise PreconditionFailed(f"{to_url(fs, path)} changed meanwhile")
         atomic_write(fs, path, data)
+
+
+@contextlib.contextmanager
+def _exclusive(fs: fsspec.AbstractFileSystem, path: str):
+    """Held while a compare-and-swap reads and replaces ``path`` off S3."""
+    if not is_local(fs):
+        with _memory_lock:
+            yield
+        return
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f".{name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
+        yield
 
 
 def _status(e: BaseException) -> int:

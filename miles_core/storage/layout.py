@@ -40,11 +40,13 @@ from miles_core.storage.fs import (
     DEFAULT_RETRY,
     RetryPolicy,
     atomic_write,
+    cas_write,
     is_local,
     join,
     list_names,
     open_fs,
     read_bytes,
+    read_with_tag,
     to_url,
     with_retries,
 )
@@ -265,6 +267,17 @@ class RunLayout:
         """The JSON file ``rel`` under the run folder, or None when it does not exist."""
         data = self._read(rel)
         return None if data is None else json.loads(data)
+
+    def read_json_tagged(self, rel: str) -> tuple[Any | None, str | None]:
+        """The JSON file ``rel`` and its tag for ``swap_json``; (None, None) when it does not exist."""
+        data, tag = self._call(lambda: read_with_tag(self.fs, join(self.path, rel)), rel)
+        return (None, None) if data is None else (json.loads(data), tag)
+
+    def swap_json(self, rel: str, obj: Any, tag: str | None) -> None:
+        """Replace the JSON file ``rel`` only if it still has ``tag`` (None: only if it does not
+        exist); ``PreconditionFailed`` when another writer changed it first."""
+        data = json.dumps(obj, indent=2, sort_keys=True).encode()
+        self._call(lambda: cas_write(self.fs, join(self.path, rel), data, tag), rel)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         """The rows of the JSON-lines file ``rel`` (empty when it does not exist)."""

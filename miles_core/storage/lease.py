@@ -2,11 +2,14 @@
 
 ``RunLease(layout, owner).acquire()`` takes the lease before the run writes anything (its
 ``config.json`` included) and renews it every ``ttl_s / 4`` seconds on a daemon thread; ``release()``
-gives it back when the run ends. A second trainer of the same run id is refused with
-``RunBusy``, naming the holder (host, pid, flow run) and when it last renewed. A lease is taken
-over when it expired (not renewed for ``ttl_s``: its holder died or lost storage) or when its
-holder is a process of this host that no longer trains: gone, a zombie not yet reaped, or a later
-process that reuses its pid (``miles_core.processes``). So a run killed with SIGKILL resumes at once.
+gives it back when the run ends. Every write is a compare-and-swap on the lease file (S3
+``If-Match``, an ``flock`` on local files): of two trainers that start together exactly one gets
+the lease, and a renewal never overwrites a lease taken over meanwhile. A second trainer of the
+same run id is refused with ``RunBusy``, naming the holder (host, pid, flow run) and when it last
+renewed. A lease is taken over when it was released, when it expired (not renewed for ``ttl_s``:
+its holder died or lost storage) or when its holder is a process of this host that no longer
+trains: gone, a zombie not yet reaped, or a later process that reuses its pid
+(``miles_core.processes``). So a run killed with SIGKILL resumes at once.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import uuid
 from typing import Any
 
 from miles_core import processes
+from miles_core.storage.fs import PreconditionFailed
 
 LEASE_FILE = "lease.json"
+_ATTEMPTS = 5
 
 
 class RunBusy(RuntimeError):
@@ -39,38 +44,56 @@ class RunLease:
         """Why the lease was lost while held (taken over after it expired), or None."""
 
     def acquire(self) -> RunLease:
-        held = self.layout.read_json(LEASE_FILE)
-        if held is not None and held.get("token") != self.token:
-            why_free = self._free(held)
-            if why_free is None:
+        for _ in range(_ATTEMPTS):
+            held, tag = self.layout.read_json_tagged(LEASE_FILE)
+            if held is not None and held.get("token") == self.token:
+                break  # our own write, whose answer was lost
+            if held is not None and self._free(held) is None:
                 raise RunBusy(self._busy_message(held))
-        self._write()
+            if self._swap(self._record(), tag):
+                break
+        else:
+            raise RunBusy(f"run {self.layout.run_id}: its lease ({self.layout.url(LEASE_FILE)}) changed "
+                          f"{_ATTEMPTS} times while this trainer tried to take it; try again")
         threading.Thread(target=self._renew, name="run-lease", daemon=True).start()
         return self
 
     def release(self) -> None:
+        """Mark the lease released (the file stays, so no later holder's lease is ever deleted)."""
         self._stop.set()
-        held = self.layout.read_json(LEASE_FILE)
-        if held is not None and held.get("token") == self.token:
-            self.layout.remove(LEASE_FILE)
+        for _ in range(_ATTEMPTS):
+            held, tag = self.layout.read_json_tagged(LEASE_FILE)
+            if held is None or held.get("token") != self.token or held.get("released_at"):
+                return
+            if self._swap({**held, "released_at": self.clock()}, tag):
+                return
 
-    def _write(self) -> None:
-        self.layout.write_json(LEASE_FILE, {**self.owner, "token": self.token, "renewed_at": self.clock(),
-                                            "ttl_s": self.ttl_s})
+    def _record(self) -> dict[str, Any]:
+        return {**self.owner, "token": self.token, "renewed_at": self.clock(), "ttl_s": self.ttl_s}
+
+    def _swap(self, record: dict[str, Any], tag: str | None) -> bool:
+        """Write ``record`` if the lease still has ``tag``; False when another writer was first."""
+        try:
+            self.layout.swap_json(LEASE_FILE, record, tag)
+            return True
+        except PreconditionFailed:
+            return False
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):
             try:
-                held = self.layout.read_json(LEASE_FILE)
-                if held is not None and held.get("token") != self.token:
-                    self.lost = f"taken over by {_who(held)}"
+                held, tag = self.layout.read_json_tagged(LEASE_FILE)
+                if held is None or held.get("token") != self.token:
+                    self.lost = f"taken over by {_who(held)}" if held else "its file was deleted"
                     return
-                self._write()
+                self._swap(self._record(), tag)  # lost to a writer: the next round reads who
             except Exception:  # noqa: BLE001 (storage trouble: the next renewal tries again)
                 continue
 
     def _free(self, held: dict[str, Any]) -> str | None:
         """Why ``held`` can be taken over (None: it is alive)."""
+        if held.get("released_at"):
+            return "its holder released it"
         age = self.clock() - float(held.get("renewed_at", 0))
         if age > float(held.get("ttl_s", self.ttl_s)):
             return f"expired {age:.0f} s after its last renewal"
@@ -95,4 +118,3 @@ def _who(held: dict[str, Any]) -> str:
     if held.get("flow_run_id"):
         who += f" (flow run {held['flow_run_id']})"
     return who
-

@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from miles_core import processes
 
 
 class LocalS3:
     def __init__(self, port: int | None = None, start_timeout: float = 30.0) -> None:
-        self.port = port or _free_port()
+        self.port = port or processes.free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.start_timeout = start_timeout
         self._proc: subprocess.Popen | None = None

@@ -15,7 +15,7 @@ and PEFT-format export), over the bank's model.
 - Fused steps: ``BankedLoraTrainer.step(batch)`` hands its batch to the bank and waits. When every
   adapter still training (``leave`` takes one out) has handed one in, or ``gather_timeout_s``
   after the first one did, one thread steps them all together: each adapter's batch is prepared
-  and cut into minibatches and micro-batches as its own ``TorchTrainer`` would (``_plan``), then
+  and cut into minibatches and micro-batches as its own ``TorchTrainer`` would (``plan``), then
   micro-batch j of minibatch i of every adapter goes through ONE forward pass (their rows side by
   side, padded to the widest), each adapter's loss is computed on its own rows with its own
   denominator, and one backward pass of their sum gives each adapter exactly its own gradient
@@ -251,7 +251,7 @@ class AdapterBank:
         plans = {}
         for name, batch in batches.items():
             try:
-                plans[name] = self.trainers[name]._plan(batch)
+                plans[name] = self.trainers[name].plan(batch)
             except Exception as e:  # noqa: BLE001 (this adapter's step fails alone)
                 results[name] = e
         try:
@@ -260,7 +260,7 @@ class AdapterBank:
             return {**results, **{n: e for n in plans}}
         for name, (tokens, correction, _) in plans.items():
             try:
-                results[name] = self.trainers[name]._summary(batches[name], tokens, correction, outcomes[name])
+                results[name] = self.trainers[name].summarize(batches[name], tokens, correction, outcomes[name])
             except Exception as e:  # noqa: BLE001
                 results[name] = e
         self.adapters_per_step.append(len(plans))
@@ -276,23 +276,23 @@ class AdapterBank:
                 if i >= len(minibatches):
                     continue
                 trainer, mb = self.trainers[name], minibatches[i]
-                denom = trainer._denominator(mb)
+                denom = trainer.loss_denominator(mb)
                 if denom == 0:
                     outcomes[name].append(None)
                 else:
-                    active[name] = (denom, trainer._trained_micro_batches(mb), defaultdict(list))
+                    active[name] = (denom, trainer.trained_micro_batches(mb), defaultdict(list))
             for j in range(max((len(m) for _, m, _ in active.values()), default=0)):
                 group = [(name, m[j]) for name, (_, m, _) in active.items() if j < len(m)]
                 logits = self._joint_logits(group)
                 total = None
                 for (name, mb), lg in zip(group, logits):
                     trainer, (denom, _, parts) = self.trainers[name], active[name]
-                    loss, metrics = trainer._loss_of(mb, lg, denom, work[name][0].temperature)
-                    trainer._keep(parts, metrics)
+                    loss, metrics = trainer.loss_of(mb, lg, denom, work[name][0].temperature)
+                    trainer.keep_metrics(parts, metrics)
                     total = loss if total is None else total + loss
                 total.backward()
             for name, (_, _, parts) in active.items():
-                outcomes[name].append(self.trainers[name]._apply(parts))
+                outcomes[name].append(self.trainers[name].apply_gradients(parts))
         return outcomes
 
     def _joint_logits(self, group: list[tuple[str, TokenBatch]]) -> list[Tensor]:

@@ -47,7 +47,6 @@ import io
 import math
 import os
 import posixpath
-import socket
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
@@ -59,6 +58,7 @@ import fsspec
 import torch
 from torch import Tensor
 
+from miles_core import processes
 from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
 from miles_core.dtypes import torch_dtype
 from miles_core.train.batch import TokenBatch
@@ -97,7 +97,7 @@ def init_process_group(cfg: DeepSpeedTrainerConfig) -> tuple[int, int, int]:
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
+                              MASTER_PORT=str(processes.free_port()))
         missing = [k for k in _ENV if k not in os.environ]
         if missing:
             raise RuntimeError(
@@ -108,12 +108,6 @@ def init_process_group(cfg: DeepSpeedTrainerConfig) -> tuple[int, int, int]:
     backend = cfg.dist_backend or ("nccl" if device_type == "cuda" else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _use_cpu_accelerator() -> None:

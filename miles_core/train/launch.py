@@ -38,11 +38,12 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_core import processes
 from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
 
 if TYPE_CHECKING:
     from miles_core.config import LoraConfig
-    from miles_core.train.base import Trainer, TrainBatch
+    from miles_core.train.base import TrainBatch, Trainer
 
 _CLOSE_WAIT_S = 60.0  # for the ranks to leave the group and the launcher to exit
 _EXIT_WAIT_S = 15.0  # after a rank failed: for the launcher to report its exit
@@ -280,9 +281,8 @@ def recv(conn: Connection) -> Any:
 
 def launch_command(backend: DeepSpeedTrainerConfig, spec_path: str) -> list[str]:
     """The command line that starts ``backend.num_processes`` workers on this machine."""
-    from miles_core.train.deepspeed_trainer import free_port
 
-    n, port = str(backend.num_processes), str(free_port())
+    n, port = str(backend.num_processes), str(processes.free_port())
     if backend.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", n,
                 "--master-addr", "127.0.0.1", "--master-port", port, "-m", "miles_core.train.worker", spec_path]

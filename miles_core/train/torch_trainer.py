@@ -110,6 +110,11 @@ class WeightPublisher(Protocol):
 
 
 class TorchTrainer:
+    """``step(batch)`` in parts that are public, so that ``AdapterBank`` can fuse several trainers'
+    steps into one pass over a shared base: ``plan`` (tensors and minibatches), per minibatch
+    ``loss_denominator``, ``trained_micro_batches``, ``loss_of`` a micro-batch's logits,
+    ``keep_metrics``, then ``apply_gradients``; ``summarize`` the step."""
+
     def __init__(
         self,
         model_dir: str,
@@ -181,12 +186,12 @@ class TorchTrainer:
         steps not taken because the loss or the gradient norm was not finite: the weights stay as
         they were), ``train_tokens``, ``num_samples``,
         ``num_excluded_samples`` (reward None) and ``version`` after the step."""
-        tokens, correction_metrics, minibatches = self._plan(batch)
+        tokens, correction_metrics, minibatches = self.plan(batch)
         results = [self._optimizer_step(mb, batch.temperature) for mb in minibatches]
         release_freed_memory()  # the step's gradients and activations
-        return self._summary(batch, tokens, correction_metrics, results)
+        return self.summarize(batch, tokens, correction_metrics, results)
 
-    def _plan(self, batch: TrainBatch) -> tuple[TokenBatch, dict[str, float], list[TokenBatch]]:
+    def plan(self, batch: TrainBatch) -> tuple[TokenBatch, dict[str, float], list[TokenBatch]]:
         """Steps 1-3 of ``step``: the batch's tensors, its rollout-correction metrics, and its
         optimizer minibatches (shuffled)."""
         if not batch.samples:
@@ -199,9 +204,9 @@ class TorchTrainer:
             chunks = [rows[torch.argsort(tokens.prompt_index[rows], stable=True)] for rows in chunks]
         return tokens, correction_metrics, [tokens.select(rows) for rows in chunks]
 
-    def _summary(self, batch: TrainBatch, tokens: TokenBatch, correction_metrics: dict[str, float],
+    def summarize(self, batch: TrainBatch, tokens: TokenBatch, correction_metrics: dict[str, float],
                  results: list[dict[str, float] | None]) -> dict[str, float]:
-        """``step``'s metrics from its optimizer steps' results (``_apply``; None: a minibatch with nothing to train)."""
+        """``step``'s metrics from its optimizer steps' results (``apply_gradients``; None: a minibatch with nothing to train)."""
         per_step = [m for m in results if m is not None and "nonfinite" not in m]
         nonfinite = sum(1 for m in results if m is not None and "nonfinite" in m)
         summary = {k: _mean(m[k] for m in per_step) for k in _AVERAGED}
@@ -322,31 +327,31 @@ class TorchTrainer:
         return out
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
-        denom = self._denominator(minibatch)
+        denom = self.loss_denominator(minibatch)
         if denom == 0:  # every sample in it is failed or fully masked: nothing to learn from
             return None
         parts: dict[str, list[Tensor]] = defaultdict(list)
-        for mb in self._trained_micro_batches(minibatch):
+        for mb in self.trained_micro_batches(minibatch):
             loss, metrics = self._micro_loss(mb, denom, temperature)
             loss.backward()
-            self._keep(parts, metrics)
-        return self._apply(parts)
+            self.keep_metrics(parts, metrics)
+        return self.apply_gradients(parts)
 
-    def _denominator(self, minibatch: TokenBatch) -> float:
+    def loss_denominator(self, minibatch: TokenBatch) -> float:
         """What every micro-batch's loss of ``minibatch`` is divided by (0: nothing to train)."""
         return reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
 
-    def _trained_micro_batches(self, minibatch: TokenBatch) -> list[TokenBatch]:
+    def trained_micro_batches(self, minibatch: TokenBatch) -> list[TokenBatch]:
         """The micro-batches of ``minibatch`` with at least one trained token."""
         return [mb for mb in self._micro_batches(minibatch) if mb.loss_mask.any()]
 
-    def _keep(self, parts: dict[str, list[Tensor]], metrics: dict[str, Tensor]) -> None:
-        """Add a micro-batch's metrics to its minibatch's (summed on the device, read back once by ``_apply``)."""
+    def keep_metrics(self, parts: dict[str, list[Tensor]], metrics: dict[str, Tensor]) -> None:
+        """Add a micro-batch's metrics to its minibatch's (summed on the device, read back once by ``apply_gradients``)."""
         loss_device = self.params[0].device
         for k, v in metrics.items():
             parts[k].append(torch.as_tensor(v, dtype=torch.float64, device=loss_device).detach())
 
-    def _apply(self, parts: dict[str, list[Tensor]]) -> dict[str, float]:
+    def apply_gradients(self, parts: dict[str, list[Tensor]]) -> dict[str, float]:
         """After a minibatch's backward passes: clip, and take the optimizer step if the gradient
         is finite (``{"nonfinite": 1.0}`` if not: the gradient is dropped); the minibatch's metrics."""
         loss_device = self.params[0].device
@@ -375,9 +380,9 @@ class TorchTrainer:
 
     def _micro_loss(self, mb: TokenBatch, denom: float, temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the minibatch loss (divided by the minibatch's ``denom``)."""
-        return self._loss_of(mb, self._logits(self.model, mb), denom, temperature)
+        return self.loss_of(mb, self._logits(self.model, mb), denom, temperature)
 
-    def _loss_of(self, mb: TokenBatch, logits: Tensor, denom: float,
+    def loss_of(self, mb: TokenBatch, logits: Tensor, denom: float,
                  temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """``_micro_loss`` from the micro-batch's raw logits (the policy's) and the batch's temperature."""
         cfg, reducer = self.cfg, self.policy_loss.reducer

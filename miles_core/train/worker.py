@@ -17,6 +17,7 @@ import sys
 import traceback
 from multiprocessing.connection import Client
 
+from miles_core import processes
 from miles_core.train.launch import recv, send
 
 # the parent's calls a rank runs; each is collective over the ranks
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m miles_core.train.worker SPEC (started by miles_core.train.launch)", file=sys.stderr)
         return 2
-    _die_with_parent()
+    processes.die_with_parent()
     rank = int(os.environ["RANK"])
     _log_to(os.path.join(os.path.dirname(os.path.abspath(argv[0])), f"rank-{rank}.log"))  # the spec's folder
     with open(argv[0], "rb") as f:
@@ -81,15 +82,6 @@ def _serve(conn, trainer, rank: int) -> int:
             send(conn, ("error", traceback.format_exc(), None))
             return 1
         send(conn, ("ok", result if rank == 0 else None, trainer.version))
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the launcher that started this rank dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
 
 def _log_to(path: str) -> None:

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from contract.engine_contract import EngineContract, build_server_model
 
+from miles_core import processes
 from miles_core.config import SGLangEngineConfig, VLLMEngineConfig
 from miles_core.engines.sglang import SGLangEngine
-from miles_core.engines.vllm import SERVED_NAME, LocalVLLMServer, VLLMEngine, _free_port, _terminate
+from miles_core.engines.vllm import SERVED_NAME, LocalVLLMServer, VLLMEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +60,7 @@ class SGLangServer:
 
     def __init__(self, python: str, model_dir: str, seed: int = 0, log_dir: str = ".") -> None:
         self.python, self.model_dir, self.seed = python, model_dir, seed
-        self.port = _free_port("127.0.0.1")
+        self.port = processes.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = str(Path(log_dir) / f"sglang-{self.port}.log")
         self.proc: subprocess.Popen | None = None
@@ -84,7 +85,7 @@ class SGLangServer:
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
-            _terminate(proc)
+            processes.terminate(proc)
 
 
 @needs_cuda

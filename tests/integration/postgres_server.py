@@ -24,7 +24,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from deployments.server import LocalServer, ServerError, free_port
+from deployments.server import LocalServer, ServerError
+from miles_core import processes
 
 
 @contextlib.contextmanager
@@ -36,7 +37,7 @@ def postgres_prefect_server(tmp_dir: str | Path | None = None, *, keep: bool = F
         home.chmod(0o755)  # mkdtemp makes it 0700; the postgres user must get through it
         server = LocalServer(home, log=lambda _msg: None)
         try:
-            status = server.start(port=free_port())
+            status = server.start(port=processes.free_port())
         except ServerError as e:
             # once in CI the Prefect server exited at start with an empty log (not reproduced in 8
             # starts under load): say so, and start a fresh one once

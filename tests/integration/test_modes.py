@@ -113,7 +113,7 @@ def test_fully_async_producer_failure_fails_the_run_with_its_error(prefect_backe
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", rollout={"reward_post_process_path": f"{__name__}:explode"},
                    eval={"eval_interval": None}, mode={"no_progress_s": 1})
-    cfg.eval.skip_eval_before_train = True
+    cfg = cfg.updated({"eval.skip_eval_before_train": True})
     state = train(cfg, return_state=True)
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="reward post-process exploded"):
@@ -148,7 +148,7 @@ def test_a_reward_that_times_out_once_in_a_fully_async_run_loses_nothing(prefect
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", rollout={"num_rollout": 3, "reward": f"{__name__}:hangs_once",
                                                                  "reward_timeout_s": 1.0},
                    eval={"eval_interval": None, "num_prompts": 32})
-    cfg.eval.skip_eval_before_train = True
+    cfg = cfg.updated({"eval.skip_eval_before_train": True})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -169,7 +169,7 @@ def test_a_reward_that_never_returns_fails_a_fully_async_run_after_a_few_deadlin
                    rollout={"num_rollout": 10, "rollout_batch_size": 4, "reward": "test_train_flow:never_returns",
                             "reward_timeout_s": 1.0},
                    eval={"eval_interval": None, "num_prompts": 32})
-    cfg.eval.skip_eval_before_train = True
+    cfg = cfg.updated({"eval.skip_eval_before_train": True})
     started = time.monotonic()
     state = train(cfg, return_state=True)
     assert state.is_failed()
@@ -185,14 +185,14 @@ def test_extension_points_run_inside_the_flow(prefect_backend, demo_model, tmp_p
 
     short = {"rollout": {"num_rollout": 3}, "eval": {"eval_interval": None, "num_prompts": 32}}
     cfg = _run_cfg(tmp_path, demo_model, "async", **short)
-    cfg.rollout.rollout_function_path = "examples.custom_rollout:rollout"
+    cfg = cfg.updated({"rollout.rollout_function_path": "examples.custom_rollout:rollout"})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     rows = _rows(state.result()["run_dir"], "metrics.jsonl")
     assert len(rows) == 3 and all(r["zero_signal_groups"] < 32 for r in rows)
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", **short)
-    cfg.rollout.custom_generate_function_path = "examples.multi_turn:generate"
+    cfg = cfg.updated({"rollout.custom_generate_function_path": "examples.multi_turn:generate"})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     from miles_core.storage import SampleStream

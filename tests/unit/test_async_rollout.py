@@ -1,7 +1,9 @@
 """Fully-async rollout: the producer, the trainer's feed and the buffer, on a scripted engine.
 
 The engine is a test double with latency and failures under test control (tests/doubles); the
-sample stream, cursors and weight store are the real ones on a local folder."""
+prompt log, sample stream, cursors and weight store are the real ones on a local folder. The
+producer claims its prompts from the run's prompt log and writes its own stream, as a fleet
+member does; the feed reads that stream and gives rejected prompts back to the log."""
 
 from __future__ import annotations
 
@@ -20,44 +22,35 @@ from miles_core.engines.base import SamplingParams
 from miles_core.loop import LoopThread
 from miles_core.rewards import score_groups
 from miles_core.rollout.buffer import DefaultDataBuffer, make_buffer
-from miles_core.rollout.consumer import GroupFeed, ProducerEnded
-from miles_core.rollout.fleet import ControlPlane, Heartbeat
+from miles_core.rollout.consumer import GroupFeed
+from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, recycle_to, stream_name
 from miles_core.rollout.generate import PromptItem
 from miles_core.rollout.producer import RolloutProducer
-from miles_core.rollout.worker import ProducerLink
+from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
 from miles_core.storage import RunLayout, SampleStream, WeightStore
 from miles_core.types import Group, Sample, SampleStatus
 
 N = 2  # samples per prompt
 
 
+def draw(cursor, n):
+    """Prompt rows 0, 1, 2, ... (the cursor is the next row)."""
+    start = cursor or 0
+    return list(range(start, start + n)), start + n
+
+
 class Prompts:
-    """Prompts 0, 1, 2, ... with a retry buffer, like DataSource."""
+    """Renders claimed prompt rows (``ClaimedPrompts``' render); breaks at row ``fail_at``."""
 
     def __init__(self, fail_at: int | None = None) -> None:
-        self.position = 0
-        self.retry: list[int] = []
         self.served: list[int] = []
         self.fail_at = fail_at
 
-    def next(self) -> PromptItem:
-        if self.retry:
-            i = self.retry.pop(0)
-        else:
-            i, self.position = self.position, self.position + 1
-        if i == self.fail_at:
-            raise RuntimeError(f"prompt source broke at {i}")
-        self.served.append(i)
-        return PromptItem(f"p{i}", [1 + i % 50, 2, 3], str(i), i, {"i": i})
-
-    def push_back(self, prompt_indices: list[int]) -> None:
-        self.retry += prompt_indices
-
-    def state(self) -> dict[str, Any]:
-        return {"position": self.position, "retry": list(self.retry)}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.position, self.retry = state["position"], list(state["retry"])
+    def render(self, rows: list[int]) -> list[PromptItem]:
+        if self.fail_at in rows:
+            raise RuntimeError(f"prompt source broke at {self.fail_at}")
+        self.served += rows
+        return [PromptItem(f"p{i}", [1 + i % 50, 2, 3], str(i), i, {"i": i}) for i in rows]
 
 
 class CharTokenizer:
@@ -77,17 +70,24 @@ class Harness:
     """A producer on its own event-loop thread, and the trainer's feed, over one run folder."""
 
     def __init__(self, tmp_path, engine: ScriptedEngine | None = None, prompts: Prompts | None = None,
-                 max_new_tokens: int = 6, custom_generate=None, **async_kw: Any) -> None:
+                 max_new_tokens: int = 6, custom_generate=None, block: int = 64, **async_kw: Any) -> None:
         self.custom_generate = custom_generate
+        self.block = block
+        """Prompts per claim: one claim's group indices are consecutive (the next claim's start
+        ``GROUP_STRIDE`` further on)."""
         async_kw.setdefault("weight_poll_s", 0.02)
         async_kw.setdefault("segment_max_wait_s", 0.05)
         async_kw.setdefault("segment_max_groups", 2)
+        async_kw.setdefault("control_poll_s", 0.01)
         self.cfg = RunConfig(
             mode=FullyAsyncMode(**async_kw),
             rollout={"rollout_batch_size": 4, "n_samples_per_prompt": N},
         )
         self.layout = RunLayout(str(tmp_path / "runs"), "t", "r1")
-        self.stream = SampleStream(self.layout.run_dir)
+        self.stream = SampleStream(self.layout.run_dir).sibling(stream_name("p0"))
+        self.log = PromptLog(self.layout.run_dir, draw=draw)
+        self.recycle_log = PromptLog(self.layout.run_dir)  # the trainer's: its own reader of the log
+        self.control = ControlPlane(self.layout.run_dir)
         self.weights = WeightStore(self.layout.weights)
         self.loop = LoopThread("test-producer")
         self.engine = engine or ScriptedEngine()
@@ -97,10 +97,16 @@ class Harness:
         self.future: concurrent.futures.Future | None = None
         self.feeds: list[GroupFeed] = []
 
-    def new_producer(self, link: ProducerLink | None = None) -> RolloutProducer:
-        return RolloutProducer(self.cfg, self.engine, self.prompts, score, self.stream, self.layout, self.weights,
+    def new_producer(self, link: ProducerLink | None = None, supply: ClaimedPrompts | None = None,
+                     **options: Any) -> RolloutProducer:
+        supply = supply or self.supply()
+        link = link or ProducerLink(self.control, Heartbeat("p0", "running"), heartbeat_s=0.02)
+        return RolloutProducer(self.cfg, self.engine, supply, score, self.stream, self.layout, self.weights,
                                self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
-                               link=link)
+                               link=link, **options)
+
+    def supply(self, producer: str = "p0") -> ClaimedPrompts:
+        return ClaimedPrompts(self.log, producer, self.prompts.render, self.block)
 
     def start(self) -> Harness:
         self.future = asyncio.run_coroutine_threadsafe(self.producer.run(), self.loop.loop)
@@ -112,12 +118,14 @@ class Harness:
 
     def feed(self, first_version: int = 0, read_ahead: bool = False) -> GroupFeed:
         buffer = DefaultDataBuffer(self.cfg.mode, capacity=64, first_version=first_version)
-        feed = GroupFeed(self.stream, buffer, self.cfg.mode, producer_check=self.check, read_ahead=read_ahead)
+        feed = GroupFeed(SampleStream(self.layout.run_dir), buffer, self.cfg.mode, lambda: [(self.stream, None)],
+                         lambda groups: recycle_to(self.recycle_log, groups), producer_check=self.check,
+                         read_ahead=read_ahead)
         self.feeds.append(feed)
         return feed
 
     def stop(self, timeout: float = 20):
-        self.producer.request_stop()
+        self.producer.link.cancel.set()  # as a fleet member's process does when it is interrupted
         stats = self.future.result(timeout)
         return stats
 
@@ -132,11 +140,17 @@ class Harness:
                 raise AssertionError("condition not reached in time")
             time.sleep(0.01)
 
+    def held_again(self) -> None:
+        """Wait until the producer has found itself at its bound once more: it looked at the
+        consumer's cursor and had no room (what it has started then is all it may start)."""
+        before = self.producer.stats.backpressure_seconds
+        self.wait_until(lambda: self.producer.stats.backpressure_seconds > before)
+
     def close(self) -> None:
         for feed in self.feeds:
             feed.close()
         if self.future is not None and not self.future.done():
-            self.producer.request_stop()
+            self.producer.link.cancel.set()
             try:
                 self.future.result(10)
             except Exception:
@@ -233,26 +247,26 @@ def test_sample_granularity_backfills_a_slot_as_soon_as_a_sample_finishes(harnes
 def test_back_pressure_holds_the_producer_at_capacity(harness):
     # capacity = 1.0 * rollout_batch_size = 4 groups ahead of the trainer
     h = harness(buffer_capacity_factor=1.0).start()
-    time.sleep(0.6)  # a consumer that reads nothing
-    ahead = h.producer.stats.groups_started
-    assert ahead == 4
+    stats = h.producer.stats
+    h.held_again()  # a consumer that reads nothing
+    assert stats.groups_started == 4
     feed = h.feed()
     feed.next_batch(4, 0)
-    time.sleep(0.3)
-    assert h.producer.stats.groups_started == 4, "groups handed to the trainer count until it commits"
+    h.held_again()
+    assert stats.groups_started == 4, "groups handed to the trainer count until it commits"
     feed.commit()  # trained: the producer goes on
-    h.wait_until(lambda: h.producer.stats.groups_started >= 8)
-    time.sleep(0.3)
-    assert h.producer.stats.groups_started == 8
-    stats = h.stop()
-    assert stats.backpressure_seconds > 0.3
+    h.wait_until(lambda: stats.groups_started >= 8)
+    h.held_again()
+    assert stats.groups_started == 8
+    h.stop()
 
 
 # ------------------------------------------------------------------------------- staleness
 
 
 def _stale_setup(harness, handler: str):
-    h = harness(max_weight_staleness=1, unused_samples_handler=handler, buffer_capacity_factor=2).start()
+    # claims of 4: a recycled prompt is claimed again as soon as the producer needs more
+    h = harness(max_weight_staleness=1, unused_samples_handler=handler, buffer_capacity_factor=2, block=4).start()
     feed = h.feed()
     h.wait_until(lambda: h.producer.stats.groups_written >= 4)
     return h, feed
@@ -268,6 +282,8 @@ def test_stale_groups_are_dropped_and_counted(harness):
     assert all(min(s.span_versions) >= 2 for g in batch.groups for s in g.samples)
     assert batch.metrics["async/staleness_max"] <= 1
     assert batch.metrics["async/rejected_response_len_mean"] > 0  # length distribution of the rejected
+    assert feed.totals["recycled"] == 0 and not [c for c in h.log.entries() if c.kind == "release"], \
+        "dropped: no prompt goes back to the log"
     h.stop()
 
 
@@ -278,7 +294,7 @@ def test_stale_groups_are_recycled_to_the_producer(harness):
     feed.commit()
     rejected_prompts = {r.group.samples[0].prompt_index for r in first.rejected}
     assert rejected_prompts and feed.totals["recycled"] == len(first.rejected)
-    h.wait_until(lambda: h.producer.stats.groups_recycled_in >= len(rejected_prompts))
+    h.wait_until(lambda: any(h.prompts.served.count(p) > 1 for p in rejected_prompts))  # claimed again
     more = feed.next_batch(8, trainer_version=3)
     regenerated = {g.samples[0].prompt_index for g in first.groups + more.groups}
     assert rejected_prompts & regenerated, "recycled prompts come back, generated again"
@@ -341,18 +357,18 @@ class HeldLoadEngine(ScriptedEngine):
 
 
 class CountingLink(ProducerLink):
-    """Sets ``beat_while_loading`` once the producer has beaten twice while its engine was loading."""
+    """Sets ``beat_while_held`` once the producer has beaten twice while ``held()`` was true."""
 
-    def __init__(self, engine: HeldLoadEngine, run_dir: str) -> None:
+    def __init__(self, held, run_dir: str) -> None:
         super().__init__(ControlPlane(run_dir), Heartbeat("p0", "running"), heartbeat_s=0.001)
-        self.engine, self.during_load, self.beat_while_loading = engine, 0, threading.Event()
+        self.held, self.beats_while_held, self.beat_while_held = held, 0, threading.Event()
 
     def beat(self, **fields: Any) -> None:
         super().beat(**fields)
-        if self.engine.loading.is_set() and not self.engine.release.is_set():
-            self.during_load += 1
-            if self.during_load >= 2:
-                self.beat_while_loading.set()
+        if self.held():
+            self.beats_while_held += 1
+            if self.beats_while_held >= 2:
+                self.beat_while_held.set()
 
 
 def test_a_producer_keeps_beating_while_its_engine_loads_weights(harness):
@@ -361,19 +377,82 @@ def test_a_producer_keeps_beating_while_its_engine_loads_weights(harness):
     loop, which keeps beating, and nothing new is submitted until it is done."""
     engine = HeldLoadEngine()
     h = harness(engine=engine, control_poll_s=0.001)
-    link = CountingLink(engine, h.layout.run_dir)
+    link = CountingLink(lambda: engine.loading.is_set() and not engine.release.is_set(), h.layout.run_dir)
     h.producer = h.new_producer(link)
     h.start()
     h.wait_until(lambda: engine.requests)
     h.publish(1)
     assert engine.loading.wait(10), "the producer never loaded v1"
     submitted = len(engine.requests)
-    assert link.beat_while_loading.wait(10), f"{link.during_load} heartbeats while the engine loaded"
+    assert link.beat_while_held.wait(10), f"{link.beats_while_held} heartbeats while the engine loaded"
     assert len(engine.requests) == submitted, "no request is submitted while the weights load"
     engine.release.set()
     h.wait_until(lambda: engine.weight_version == 1)  # (no more requests need follow: no feed consumes here)
     stats = h.stop()
     assert stats.weight_updates == 1
+
+
+class HeldGenerationEngine(ScriptedEngine):
+    """Its generations wait until the test lets them go (long answers in flight when a pause comes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generating, self.released = threading.Event(), threading.Event()
+        self.calls = self.returned = 0
+        self._go: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def generate(self, requests):
+        self.calls += 1
+        if self._go is None:
+            self._go, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        self.generating.set()
+        await self._go.wait()
+        try:
+            return await super().generate(requests)
+        finally:
+            self.returned += 1
+
+    def let_go(self) -> None:
+        self.released.set()
+        self._loop.call_soon_threadsafe(self._go.set)
+
+
+class NoticingLink(CountingLink):
+    """Counts heartbeats only after a poll that told the producer of a pause."""
+
+    def __init__(self, held, run_dir: str) -> None:
+        self.noticed = False
+        super().__init__(lambda: self.noticed and held(), run_dir)
+
+    def poll(self, producer, beat_now: bool = False):
+        signal = super().poll(producer, beat_now)
+        self.noticed = self.noticed or bool(signal.pause_holders)
+        return signal
+
+
+def test_a_producer_keeps_beating_while_a_pause_waits_for_its_generations(harness):
+    """A pause (an evaluation borrowing the engine) waits for the generations in flight; on a real
+    model they can outlast the heartbeat timeout, so the drain runs beside the loop, which keeps
+    beating. The producer says it is paused only once nothing of it is in the engine, and starts
+    nothing until the holder lets go."""
+    engine = HeldGenerationEngine()
+    h = harness(engine=engine, control_poll_s=0.001)
+    link = NoticingLink(lambda: not engine.released.is_set(), h.layout.run_dir)
+    h.producer = h.new_producer(link)
+    h.start()
+    assert engine.generating.wait(10), "no generation started"
+    link.control.pause("eval-step-1")
+    assert link.beat_while_held.wait(10), f"{link.beats_while_held} heartbeats while the pause drained"
+    assert link.control.heartbeat("p0").paused_for == [], "not paused while generations are in the engine"
+    engine.let_go()
+    h.wait_until(lambda: link.control.heartbeat("p0").paused_for == ["eval-step-1"])
+    assert engine.calls == engine.returned, "paused with nothing in the engine"
+    calls_when_paused = engine.calls
+    link.control.unpause("eval-step-1")
+    h.wait_until(lambda: engine.calls > calls_when_paused)  # generating again
+    stats = h.stop()
+    assert stats.samples_finished > 0
 
 
 def test_partial_rollout_continues_under_new_weights_with_stamped_spans(harness):
@@ -397,12 +476,13 @@ def test_pause_holds_generation_and_resume_continues(harness):
     engine = ScriptedEngine(token_latency=0.002)
     h = harness(engine=engine, buffer_capacity_factor=100).start()
     h.wait_until(lambda: len(engine.requests) > 4)
-    h.loop.run(h.producer.pause())
+    h.control.pause("eval-step-1")  # an evaluation borrows the engine, through the run folder
+    h.wait_until(lambda: h.control.heartbeat("p0").paused_for == ["eval-step-1"])
     assert engine._running == 0
-    count = len(engine.requests)
-    time.sleep(0.2)
+    count, beat = len(engine.requests), h.control.heartbeat("p0").beat
+    h.wait_until(lambda: h.control.heartbeat("p0").beat >= beat + 3)  # it goes on beating, paused
     assert len(engine.requests) == count
-    h.loop.run(h.producer.resume())
+    h.control.unpause("eval-step-1")
     h.wait_until(lambda: len(engine.requests) > count)
     h.stop()
 
@@ -466,8 +546,8 @@ def test_a_producer_found_dead_is_dealt_with_while_the_others_keep_the_trainer_f
     def check():
         raise dead
 
-    buffer = DefaultDataBuffer(h.cfg.mode, capacity=64)
-    feed = GroupFeed(h.stream, buffer, h.cfg.mode, producer_check=check)
+    feed = h.feed()
+    feed.producer_check = check
     with pytest.raises(RuntimeError) as raised:
         feed.next_batch(4, 0)
     assert raised.value is dead
@@ -483,17 +563,6 @@ def test_trainer_warns_while_it_waits(harness):
     assert warnings and "waited" in warnings[0]
     assert batch.wait_seconds > 0.1
     h.stop()
-
-
-@pytest.mark.parametrize("read_ahead", [False, True])
-def test_closed_stream_ends_the_trainer_clearly(harness, read_ahead):
-    h = harness().start()
-    h.stop()
-    h.stream.close()
-    feed = h.feed(read_ahead=read_ahead)
-    with pytest.raises(ProducerEnded, match="still needs"):
-        for _ in range(50):
-            feed.next_batch(4, 0)
 
 
 # ------------------------------------------------------------------------------------- stop
@@ -532,11 +601,12 @@ def test_partial_trajectories_survive_the_producer(harness):
     assert all(finished[g].status is not SampleStatus.ABORTED for g in resumed)
 
 
-class AdoptingPrompts(Prompts):
-    """A prompt log's supply that took over partial groups another producer saved (``adopted``)."""
+class AdoptingPrompts(ClaimedPrompts):
+    """Claimed prompts of a producer that took over partial groups another one saved (``adopted``;
+    the prompt log's adopt entries say the same)."""
 
-    def __init__(self, source: str, groups: set[int]) -> None:
-        super().__init__()
+    def __init__(self, h: Harness, source: str, groups: set[int]) -> None:
+        super().__init__(h.log, "p1", h.prompts.render, h.block)
         self.source, self.groups = source, groups
 
     def adopted(self) -> list[tuple[str, set[int]]]:
@@ -557,8 +627,7 @@ def test_a_producer_continues_the_partial_groups_it_adopted(harness):
     assert len(saved) == stats.groups_saved_partial > 0
     h.stream.sibling("partial-p0").append([s for g in saved for s in g.samples])  # as p0 would have
     adopted = {g.group_index for g in saved[1:]} if len(saved) > 1 else {saved[0].group_index}
-    h.producer = RolloutProducer(h.cfg, h.engine, AdoptingPrompts("p0", adopted), score, h.stream, h.layout,
-                                 h.weights, h.sampling, tokenizer=CharTokenizer(), partial_stream="partial-p1")
+    h.producer = h.new_producer(supply=AdoptingPrompts(h, "p0", adopted), partial_stream="partial-p1")
     h.start()
     h.wait_until(lambda: h.producer.stats.groups_written >= len(adopted))
     second = h.stop()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.cli import FLAGS, build_parser, resolve_config
+from miles_core.cli import build_parser, resolve_config
 from miles_core.config import (
     AsyncMode,
     DeepSpeedTrainerConfig,
@@ -24,6 +24,7 @@ from miles_core.config import (
     TorchTrainerConfig,
     ToyDataConfig,
 )
+from miles_core.miles_flags import FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -163,13 +164,12 @@ def test_mode_is_a_tagged_union_each_mode_with_its_own_settings(tmp_path):
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # what a run folder stores reads back
     with pytest.raises(ValueError, match="update_weights_interval"):
         RunConfig.model_validate({"mode": {"type": "fully_async", "update_weights_interval": 2}})
-    cfg.mode = "sync"  # assignment takes a name too
+    cfg = cfg.updated({"mode": "sync"})  # an update takes a name too
     assert cfg.mode == SyncMode() and cfg.mode.type == "sync"
     with pytest.raises(TypeError, match="compare cfg.mode.type with 'sync'"):
         _ = cfg.mode == "sync"  # the old spelling would be silently False: it is loud instead
     with pytest.raises(ValueError, match="max_concurrent_samples"):
-        cfg.mode = {"type": "sync", "max_concurrent_samples": 8}
-    assert cfg.mode == SyncMode()  # a refused assignment changes nothing
+        cfg.updated({"mode": {"type": "sync", "max_concurrent_samples": 8}})
     with pytest.raises(SystemExit, match="--update-weights-interval is a setting of async mode, but this run's "
                                          "mode is 'fully_async': add --mode async"):
         _cfg("--fully-async", "--update-weights-interval", "2")
@@ -390,10 +390,7 @@ def test_a_multi_lora_run_is_fully_async():
         assert cfg.mode == FullyAsyncMode(), mode  # a mode named alone does not apply: documented
     with pytest.raises(ValueError, match="a multi-LoRA run is fully async: mode.update_weights_interval"):
         RunConfig.model_validate({**raw, "mode": {"type": "async", "update_weights_interval": 2}})
-    cfg = RunConfig.model_validate(raw)
-    with pytest.raises(ValueError, match="a multi-LoRA run is fully async, but mode is 'sync'"):
-        cfg.mode = "sync"
-    assert cfg.mode == FullyAsyncMode()
+    assert RunConfig.model_validate(raw).updated({"mode": "sync"}).mode == FullyAsyncMode(), "an update too"
     with pytest.raises(SystemExit, match="--mode async: a multi-LoRA run is always fully async"):
         _cfg("--lora-rank", "4", "--lora-count", "2", "--mode", "async")
 
@@ -488,26 +485,29 @@ def test_tis_is_on_by_default_in_the_async_modes_only(flags, expected):
     assert cfg.train.use_tis is (None if not {"--use-tis", "--no-use-tis"} & set(flags) else expected)
 
 
-def test_cross_field_rules_hold_on_assignment_and_a_refused_one_changes_nothing():
-    """``cfg.rollout.rollout_batch_size = 7`` beside ``global_batch_size = 64`` was accepted: an
-    assignment inside a run's config now meets the run's rules, and one that breaks them leaves the
-    config as it was (a copy, pickled or deep-copied, keeps the rule; equal configs stay equal)."""
+def test_a_config_is_frozen_and_an_update_meets_the_whole_runs_rules():
+    """``cfg.rollout.rollout_batch_size = 7`` beside ``global_batch_size = 64`` was once accepted: a
+    config is frozen now, and ``updated`` makes a new one validated whole (a copy, pickled or
+    deep-copied, is equal and frozen too)."""
     import copy
     import pickle
 
+    from pydantic import ValidationError
+
     cfg = RunConfig.model_validate({"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 8},
                                     "train": {"global_batch_size": 64}})
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.rollout.rollout_batch_size = 16
     with pytest.raises(ValueError, match="global_batch_size=64 must divide the rollout batch"):
-        cfg.rollout.rollout_batch_size = 7
-    assert cfg.rollout.rollout_batch_size == 8
+        cfg.updated({"rollout.rollout_batch_size": 7})
     with pytest.raises(ValueError, match="must divide"):
-        cfg.train = cfg.train.model_copy(update={"global_batch_size": 48})
-    assert cfg.train.global_batch_size == 64
-    cfg.rollout.rollout_batch_size = 16  # 128 samples: two optimizer steps of 64
-    assert cfg.train.minibatch_sizes(128) == [64, 64]
+        cfg.updated({"train": {"global_batch_size": 48}})
+    bigger = cfg.updated({"rollout.rollout_batch_size": 16})  # 128 samples: two optimizer steps of 64
+    assert bigger.train.minibatch_sizes(128) == [64, 64] and cfg.rollout.rollout_batch_size == 8
+    assert bigger.train == cfg.train and bigger.rollout.n_samples_per_prompt == 8, "the rest is kept"
     for other in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
         assert other == cfg
-        with pytest.raises(ValueError, match="must divide"):
+        with pytest.raises(ValidationError, match="frozen"):
             other.rollout.n_samples_per_prompt = 3
     assert RunConfig().rollout == RunConfig().rollout.model_copy() == type(RunConfig().rollout)()
 

@@ -68,7 +68,8 @@ def test_a_lease_of_another_host_is_live_until_it_expires(layout):
         assert held["token"] == lease.token and held["flow_run_id"] == "fr-2" and held["pid"] == os.getpid()
     finally:
         lease.release()
-    assert layout.read_json(LEASE_FILE) is None
+    assert layout.read_json(LEASE_FILE)["released_at"] == clock.now, "released, and free for the next trainer"
+    RunLease(layout, clock=clock).acquire().release()
 
 
 def test_the_lease_of_a_killed_process_of_this_host_is_taken_at_once(layout):
@@ -106,6 +107,38 @@ def test_the_lease_of_a_pid_now_used_by_another_process_is_taken_at_once(layout,
 def wait_for_zombie(pid: int) -> None:
     """Block until our killed child ``pid`` has exited, leaving it unreaped (a zombie)."""
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+_CONTENDER = """
+import sys
+from miles_core.storage.layout import RunLayout
+from miles_core.storage.lease import RunBusy, RunLease
+layout = RunLayout(sys.argv[1], "r", "run-1")
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    RunLease(layout).acquire()
+    print("won", flush=True)
+except RunBusy:
+    print("busy", flush=True)
+sys.stdin.read()  # the winner stays alive (a live holder) until the test has every answer
+"""
+
+
+def test_of_trainers_that_start_together_exactly_one_gets_the_lease(tmp_path):
+    contenders = [subprocess.Popen([sys.executable, "-c", _CONTENDER, str(tmp_path / "runs")], text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(4)]
+    try:
+        assert [c.stdout.readline().strip() for c in contenders] == ["ready"] * 4
+        for c in contenders:
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        answers = sorted(c.stdout.readline().strip() for c in contenders)
+    finally:
+        for c in contenders:
+            c.stdin.close()
+            c.wait(timeout=30)
+    assert answers == ["busy", "busy", "busy", "won"]
 
 
 def test_release_leaves_a_lease_that_is_not_its_own(layout, other_process):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_core import processes
 from miles_core.rewards import get_reward, group_reward, register_reward, score_groups
 from miles_core.rewards.math import final_answer, label_answer, math_reward
 from miles_core.types import Group, Sample, SampleStatus
@@ -195,7 +196,6 @@ def test_builtin_names():
 
 
 def test_toy_builtin_scores_exact_match():
-    pytest.importorskip("miles_core.data.toy")
     toy = get_reward("toy")
     assert toy(sample(" 82 ", label="82")) == 1.0
     assert toy(sample("81", label="82")) == 0.0
@@ -492,8 +492,6 @@ def _syscall(pid: int) -> str:
 def test_a_worker_whose_parent_is_killed_mid_call_ends_itself():
     """SIGKILL closes no pipe the worker would notice while its call runs: it watches its parent.
     The witness that the call runs: the worker waits in another system call than when it was idle."""
-    from miles_core.processes import alive
-
     parent = subprocess.Popen([sys.executable, "-c", _ORPHANED_CALL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -509,9 +507,9 @@ def test_a_worker_whose_parent_is_killed_mid_call_ends_itself():
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 30
-    while alive(worker) and time.monotonic() < deadline:
+    while processes.alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(worker), "the orphaned worker went on with its call"
+    assert not processes.alive(worker), "the orphaned worker went on with its call"
 
 
 def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
@@ -596,18 +594,12 @@ def test_the_remote_reward_posts_each_sample_and_reads_a_number(scorer, monkeypa
         groups = groups_of(["#### 18"])
         stats = asyncio.run(score_groups(get_reward("remote", scorer + path), groups))
         assert stats.failed == 1 and expected in groups[0].samples[0].error, path
-    closed = f"http://127.0.0.1:{_free_port()}/score"
+    closed = f"http://127.0.0.1:{processes.free_port()}/score"
     groups = groups_of(["#### 18"])
     asyncio.run(score_groups(get_reward("remote", closed), groups))
     assert "failed 3 times; the last: ConnectError" in groups[0].samples[0].error
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_remote_reward_needs_its_endpoint_and_no_credentials_in_it():

@@ -105,7 +105,7 @@ def test_a_run_with_steps_but_no_checkpoint_refuses_to_resume(tiny_model_dir):
 def test_checkpoint_due_every_interval_and_at_the_last_step():
     cfg = RunConfig.model_validate({"rollout": {"num_rollout": 7}, "checkpoint": {"save_interval": 3}})
     assert [k for k in range(1, 8) if checkpoint_due(cfg, k)] == [3, 6, 7]
-    cfg.checkpoint.save_interval = None
+    cfg = cfg.updated({"checkpoint.save_interval": None})
     assert not any(checkpoint_due(cfg, k) for k in range(1, 8))
 
 

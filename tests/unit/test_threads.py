@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from miles_core.threads import one_thread, tiny_model_threads
+from miles_core.models import tiny_model_threads
+from miles_core.threads import one_thread
 
 
 def test_the_tiny_model_runs_on_one_thread_unless_told_otherwise():

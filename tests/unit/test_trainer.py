@@ -371,14 +371,15 @@ def test_a_non_finite_loss_is_never_applied_to_the_weights(tiny_model_dir, tmp_p
 def test_export_through_the_real_weight_store(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    weights = pytest.importorskip("miles_core.storage.weights")
-    store = weights.WeightStore(str(tmp_path / "weights"))
+    from miles_core.storage.weights import WeightStore, load_snapshot
+
+    store = WeightStore(str(tmp_path / "weights"))
     trainer = TorchTrainer(str(tiny_model_dir), TrainConfig(), store)
     trainer.step(make_batch(REWARDS_A))
     uri = trainer.export(trainer.version)
     assert store.latest() == 1
     fresh = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
-    fresh.load_state_dict(weights.load_snapshot(uri), strict=True)
+    fresh.load_state_dict(load_snapshot(uri), strict=True)
     ids = collate(make_groups(REWARDS_A)[1].samples)
     with torch.no_grad():
         want = trainer.model(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits

@@ -216,7 +216,8 @@ def test_lora_config_is_validated():
 
 
 def test_lora_flags_set_the_lora_config():
-    from miles_core.cli import FLAGS, build_parser, resolve_config
+    from miles_core.cli import build_parser, resolve_config
+    from miles_core.miles_flags import FLAGS
 
     assert {f: FLAGS[f] for f in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules")} == {
         "--lora-rank": "lora.rank", "--lora-alpha": "lora.alpha", "--lora-dropout": "lora.dropout",
