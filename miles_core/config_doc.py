@@ -14,7 +14,7 @@ from miles_core.config import RunConfig
 def _type_name(tp) -> str:
     text = repr(tp) if not isinstance(tp, type) else tp.__name__
     text = re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", text)  # a bounded list item reads as its type
-    return text.replace("typing.", "").replace("miles_core.config.", "")
+    return re.sub(r"miles_core\.config\.\w+\.", "", text.replace("typing.", ""))
 
 
 def _list_item_model(tp) -> type[BaseModel] | None:

@@ -1,85 +1,40 @@
-"""RunConfig: the one object a run is built from.
+"""The tables of a run config, each a frozen pydantic model (``extra="forbid"``, a docstring under
+every field, which the UI form, ``miles config-doc`` and the flags' help show).
 
-The same model is the Prefect flow parameter (the UI form), the TOML config file and the target
-of the ``miles`` command-line flags (which keep Miles' names, see ``miles_core.cli``).
-
-Parts:
 - ``ModelConfig``: which policy to start from (a local Hugging Face folder, or the built-in tiny
   model, built once and cached by the hash of its recipe).
 - ``DataConfig``: a tagged union, ``FileDataConfig`` (JSONL / Parquet over fsspec) or
   ``ToyDataConfig`` (the synthetic addition task).
+- ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
 - ``ModeConfig``: a tagged union of execution modes, each with its own settings: ``SyncMode``,
   ``AsyncMode`` (how often weights are pushed), ``FullyAsyncMode`` (producers, buffer, staleness).
-- ``RolloutConfig``: how many prompts and samples a rollout step takes, sampling settings, reward.
 - ``EngineConfig``: a tagged union of rollout engines: ``HFEngineConfig`` (in process),
   ``SGLangEngineConfig`` (SGLang's HTTP API: a running server, or one the run launches) or
   ``VLLMEngineConfig`` (a vLLM server: a running one, or one the run launches).
 - ``TrainConfig``: batch sizes, optimizer, loss union (``LossConfig``: grpo, dr_grpo, gspo,
-  reinforce_plus_plus, reinforce_plus_plus_baseline), KL and entropy terms, rollout correction, trainer backend union
-  (``TorchTrainerConfig`` or ``DeepSpeedTrainerConfig``).
+  reinforce_plus_plus, reinforce_plus_plus_baseline), KL and entropy terms, rollout correction,
+  trainer backend union (``TorchTrainerConfig`` or ``DeepSpeedTrainerConfig``).
 - ``EvalConfig``: held-out evaluation, on one dataset or several named ones (``EvalDatasetConfig``).
-- ``LoraConfig``: train a LoRA adapter (PEFT) instead of every weight of the policy.
+- ``TrackingConfig``: where metrics go besides the run folder (W&B, TensorBoard, MLflow).
 - ``CheckpointConfig``: how often the trainer state is saved into the run folder, so a run resumes.
 - ``StorageConfig``: where the run's samples, weights and metrics go.
+- ``LoraConfig``: train a LoRA adapter (PEFT) instead of every weight of the policy;
+  ``MultiLoraConfig``: several adapters over one rollout stream.
+- ``ResourcesConfig``: device slots drawn from a Prefect concurrency limit.
 
-This module imports without torch, transformers or prefect (a test checks it).
+The whole run, ``RunConfig``, is in ``miles_core.config.run``.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import tomllib
-from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    PlainSerializer,
-    SerializationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
-
-
-SECRET_OPTION = re.compile(r"key|secret|token|passw|credential|auth|signature|session", re.IGNORECASE)
-"""Storage option names whose values are secrets (s3fs ``key``, ``secret``, ``token``;
-``aws_secret_access_key``, ``password``, ...): left out wherever a config is serialised as JSON."""
-WITH_SECRETS = {"with_secrets": True}
-"""``cfg.model_dump_json(context=WITH_SECRETS)``: the whole config, secrets too (for a child
-process's stdin, never for storage, Prefect parameters or logs)."""
-
-
-def without_secrets(options: Any) -> Any:
-    """``options`` without the entries whose names look secret (at any depth)."""
-    if isinstance(options, dict):
-        return {k: without_secrets(v) for k, v in options.items() if not SECRET_OPTION.search(str(k))}
-    if isinstance(options, list):
-        return [without_secrets(v) for v in options]
-    return options
-
-
-def _serialise_options(options: dict[str, Any], info: SerializationInfo) -> dict[str, Any]:
-    if info.mode_is_json() and not (info.context or {}).get("with_secrets"):
-        return without_secrets(options)
-    return options
-
-
-StorageOptions = Annotated[dict[str, Any], PlainSerializer(_serialise_options, when_used="always")]
-"""fsspec storage options: as JSON (Prefect flow-run parameters, deployment defaults, artifacts)
-their secret entries are left out; the run resolves them where it starts (the environment, or
-``storage.credentials_block``). In Python they are whole."""
-
-def _form_order(schema: dict[str, Any], cls: type | None = None) -> None:
-    """Number a table's fields in the order they are declared (``position``): Prefect's form sorts
-    a table's fields by it, and a server on PostgreSQL keeps JSON objects' keys in its own order
-    (shortest first), not the schema's."""
-    for position, field in enumerate(schema.get("properties", {}).values()):
-        field["position"] = position
+from miles_core.config.forms import form_order
+from miles_core.config.secrets import StorageOptions
 
 
 class _Base(BaseModel):
@@ -88,7 +43,7 @@ class _Base(BaseModel):
 
     # errors name the field and the rule, never echo the input: it may hold a secret (a URL's credentials)
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, hide_input_in_errors=True,
-                              json_schema_extra=_form_order)
+                              json_schema_extra=form_order)
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -368,62 +323,6 @@ AsyncConfig = FullyAsyncMode
 
 ModeConfig = Annotated[Union[SyncMode, AsyncMode, FullyAsyncMode], Field(discriminator="type")]
 MODE_TABLES: dict[str, type[_Mode]] = {"sync": SyncMode, "async": AsyncMode, "fully_async": FullyAsyncMode}
-
-
-def mode_table(raw: Any) -> Any:
-    """``mode = "sync"`` (the short spelling: that mode with its defaults) as a table; anything else as given."""
-    return {"type": raw} if isinstance(raw, str) else raw
-
-
-def upgrade_mode(raw: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
-    """A raw config in today's shape: ``mode`` a table, and an ``[async_rollout]`` table (the older
-    spelling, every mode's settings in one table) moved into it. A multi-LoRA config is fully async.
-    A setting of ``[async_rollout]`` that the run's mode does not have is an error (``strict``; it
-    had no effect) unless it is at its default, or ``strict`` is off (a stored run's config, where
-    it did nothing in that run)."""
-    if not isinstance(raw, dict):
-        return raw
-    out = dict(raw)
-    if "mode" in out:
-        out["mode"] = mode_table(out["mode"])
-    legacy = out.pop("async_rollout", None)
-    mode = out.get("mode", {"type": "sync"})
-    if isinstance(mode, BaseModel) and legacy is None:
-        return out  # a table already (an assignment validates the run's fields as they are: left so)
-    if isinstance(mode, BaseModel):
-        mode = mode.model_dump()
-    if not isinstance(mode, dict):
-        return out  # pydantic says what is wrong with it
-    mode = dict(mode)
-    if out.get("multi_lora") is not None and mode.get("type") != "fully_async":
-        others = sorted(set(mode) - {"type"})
-        if others:
-            raise ValueError(f"a multi-LoRA run is fully async: mode.{others[0]} (of mode {mode.get('type')!r}) does "
-                             "not apply; set mode = 'fully_async' or leave mode out")
-        mode["type"] = "fully_async"
-    if isinstance(legacy, dict):
-        kind = mode.get("type", "sync")
-        for key, value in legacy.items():
-            owner = next((k for k, m in MODE_TABLES.items() if key in m.model_fields and key != "type"), None)
-            if owner is None:
-                raise ValueError(f"async_rollout.{key}: no such setting in any mode (async has "
-                                 f"{', '.join(_settings('async'))}; fully_async: {', '.join(_settings('fully_async'))})")
-            if owner == kind:
-                mode.setdefault(key, value)
-            elif strict and value != MODE_TABLES[owner].model_fields[key].get_default(call_default_factory=True):
-                raise ValueError(
-                    f"async_rollout.{key} = {value!r} is a setting of mode {owner!r}, but this run's mode is {kind!r}, "
-                    f"where it does nothing: remove it, or set mode = {owner!r} ([async_rollout] is the older "
-                    f"spelling of the [mode] table: [mode] type = {owner!r}, {key} = ...)")
-    elif legacy is not None:
-        raise ValueError(f"async_rollout: expected a table, got {legacy!r}")
-    out["mode"] = mode
-    return out
-
-
-def _settings(kind: str) -> list[str]:
-    return [k for k in MODE_TABLES[kind].model_fields if k != "type"]
-
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -945,8 +844,6 @@ class EvalDatasetConfig(_Base):
     @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:
-        import re
-
         # the name prefixes metric keys ("<name>/accuracy") and table columns
         if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
             raise ValueError(f"eval dataset name {name!r}: use only letters, digits, '_' and '-' "
@@ -1182,8 +1079,6 @@ class AdapterSpec(_Base):
     @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:
-        import re
-
         # a path part of the run folder, and a torch module name inside PEFT (no ".")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name) or name in "lora_" or name == "__base__":
             raise ValueError(f"adapter name {name!r}: use letters, digits, '_' and '-' (not first); not part of 'lora_'")
@@ -1279,244 +1174,3 @@ class ResourcesConfig(_Base):
     takes them."""
 
 
-# ------------------------------------------------------------------------------------------ run
-
-
-REDACTED = "<redacted>"
-
-
-def dataset_tables(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """The dataset tables of a raw config (training data, ``eval.data``, each ``eval.datasets``
-    entry's data): where storage options, which may hold secrets, live."""
-    ev = raw.get("eval") or {}
-    tables = [raw.get("data"), ev.get("data"), *((d or {}).get("data") for d in ev.get("datasets") or [])]
-    return [t for t in tables if isinstance(t, dict)]
-
-
-def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``base`` (a raw config) with ``overrides`` on top: tables merge key by key, dotted keys
-    (``{"rollout.num_rollout": 6}``) reach into tables, and a table whose ``type`` changes (another
-    loss, engine or dataset kind) is replaced whole, since the old kind's settings may not fit."""
-    out = dict(base)
-    for key, value in expand_dotted(overrides).items():
-        current = out.get(key)
-        if isinstance(value, dict) and isinstance(current, dict) and value.get("type", current.get("type")) == current.get("type"):
-            out[key] = merge_overrides(current, value)
-        else:
-            out[key] = value
-    return out
-
-
-def expand_dotted(raw: dict[str, Any]) -> dict[str, Any]:
-    """``{"a.b": 1, "a": {"c": 2}}`` -> ``{"a": {"b": 1, "c": 2}}`` (a dotted key wins over the same
-    field given nested)."""
-    out: dict[str, Any] = {}
-    for key, value in sorted(raw.items(), key=lambda kv: "." in kv[0]):  # nested first, then dotted on top
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[leaf] = merge_overrides(node[leaf], value) if isinstance(node.get(leaf), dict) and isinstance(value, dict) \
-            else value
-    return out
-
-
-def _run_schema(schema: dict[str, Any], cls: type | None = None) -> None:
-    _form_order(schema)
-    # dotted keys ("rollout.num_rollout") pass the JSON schema a Prefect server checks parameters with
-    schema["patternProperties"] = {r"^[A-Za-z_]\w*(\.\w+)+$": {}}
-
-
-class RunConfig(_Base):
-    """A whole training run."""
-
-    model_config = ConfigDict(**{**_Base.model_config, "json_schema_extra": _run_schema})
-
-    # the order of the UI's form: what a run is, then the rest
-    name: str = "toy-addition"
-    """Run name; the run folder is ``<storage.root>/<name>/<run_id>``."""
-    mode: ModeConfig = Field(default_factory=SyncMode)
-    """Execution mode and its own settings, by ``type``: ``sync`` (rollout k, then train k, then push
-    weights k), ``async`` (rollout k+1 runs while train k does) or ``fully_async`` (producers
-    generate for the whole run into the sample stream and the trainer consumes from it). In TOML
-    ``mode = "async"`` is that mode with its defaults; ``[mode]`` with ``type = "..."`` sets its
-    fields too."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=ToyDataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    run_id: str | None = None
-    """Run id (None: a fresh timestamped id). An existing run with a checkpoint resumes from it."""
-    seed: int = Field(default=0, ge=0)
-    """Seed of prompt order and sampling."""
-    engine: EngineConfig = Field(default_factory=HFEngineConfig)
-    lora: LoraConfig | None = None
-    """Train a LoRA adapter instead of the full policy (None: full fine-tuning)."""
-    multi_lora: MultiLoraConfig | None = None
-    """Train several LoRA adapters over one rollout stream (``miles train-multi-lora``; None: one policy).
-    Such a run is always fully async (a ``mode`` given as a name becomes ``fully_async``);
-    ``checkpoint.save_interval`` saves each adapter (its trainer and its cursors) under
-    ``adapters/<name>/checkpoints``, and the same run id resumes every adapter from its own."""
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _dotted_keys(cls, data: Any) -> Any:
-        """``{"rollout.num_rollout": 6}`` is ``{"rollout": {"num_rollout": 6}}`` (deployment parameters,
-        the API); ``mode = "sync"`` is ``[mode] type = "sync"``, an older ``[async_rollout]`` table moves
-        into ``mode`` (``upgrade_mode``)."""
-        if isinstance(data, dict) and any(isinstance(k, str) and "." in k for k in data):
-            data = expand_dotted(data)
-        return upgrade_mode(data)
-
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _mode_name(cls, value: Any) -> Any:
-        """``mode = "async"``: that mode with its defaults."""
-        return mode_table(value)
-
-    @model_validator(mode="after")
-    def _check_batches(self) -> RunConfig:
-        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
-        gbs = self.train.global_batch_size
-        if gbs is not None and samples % gbs:
-            raise ValueError(
-                f"train.global_batch_size={gbs} must divide the rollout batch "
-                f"(rollout_batch_size * n_samples_per_prompt = {samples} samples)"
-            )
-        if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
-            raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
-        self.train.minibatch_sizes(samples)  # global_batch_size and num_steps_per_rollout agree
-        if getattr(self.mode, "partial_rollout", False) and self.rollout.custom_generate_function_path:
-            raise ValueError(
-                "mode.partial_rollout cannot continue samples of a custom generate function "
-                "(rollout.custom_generate_function_path); turn one of them off"
-            )
-        if self.multi_lora is not None:
-            self._check_multi_lora()
-        if self.eval.engine == "separate" and self.eval.engine_config is None and getattr(self.engine, "url", None):
-            raise ValueError(
-                f"eval.engine = 'separate' needs an evaluation engine of its own, but the rollout engine is the "
-                f"server at {self.engine.url}: set eval.engine_config (e.g. another server's url) or eval.engine = 'shared'"
-            )
-        if self.mode.type == "fully_async" and self.rollout.rollout_function_path:
-            raise ValueError(
-                "rollout.rollout_function_path replaces the rollout step of sync and async modes; in "
-                "fully_async mode use rollout.custom_generate_function_path (per sample) instead"
-            )
-        return self
-
-    def updated(self, overrides: dict[str, Any]) -> RunConfig:
-        """A new config: this one with ``overrides`` on top (``merge_overrides``: dotted keys such as
-        ``{"rollout.num_rollout": 6}`` reach into tables), validated whole."""
-        return RunConfig.model_validate(merge_overrides(self.model_dump(), overrides))
-
-    def _check_multi_lora(self) -> None:
-        if self.lora is None:
-            raise ValueError("multi_lora needs the adapters' base LoRA settings: a [lora] section or --lora-rank R")
-        if self.rollout.rollout_function_path:
-            raise ValueError("multi_lora runs generate with the fully-async producer: rollout.rollout_function_path "
-                             "does not apply (use rollout.custom_generate_function_path)")
-        ml = self.multi_lora
-        if self.mode.type != "fully_async":
-            raise ValueError(f"a multi-LoRA run is fully async, but mode is {self.mode.type!r}: set mode = 'fully_async'")
-        if ml.rollout_source == "shared" and len(ml.names) > 1 and self.mode.unused_samples_handler == "retry":
-            raise ValueError(
-                "mode.unused_samples_handler = 'retry' does not apply to shared multi-LoRA rollouts: a group "
-                "one adapter rejects as stale would be generated again for every adapter, and the others, which "
-                "trained it, would train its prompt twice; use 'drop' (the default) or rollout_source = 'per_adapter'"
-            )
-        self.adapter_configs()  # every adapter's overrides make a valid config
-
-    def trainer_config(self) -> TrainConfig:
-        """``train`` as the trainer takes it, what this run decides filled in (the config itself is
-        never written to): ``use_tis`` None decided for the mode (on in the async modes with
-        recomputed old logprobs, else off); Dr.GRPO's ``max_len`` None is the generation budget,
-        ``rollout.rollout_max_response_len``."""
-        update: dict[str, Any] = {}
-        if self.train.use_tis is None:
-            update["use_tis"] = self.mode.type != "sync" and self.train.old_logprobs == "recompute"
-        if isinstance(self.train.loss, DrGRPOLossConfig) and self.train.loss.max_len is None:
-            update["loss"] = self.train.loss.model_copy(update={"max_len": self.rollout.rollout_max_response_len})
-        if self.train.lr_decay_steps is None and self.train.lr_decay_style != "constant":
-            per_rollout = len(self.train.minibatch_sizes(self.samples_per_rollout))
-            update["lr_decay_steps"] = self.rollout.num_rollout * per_rollout
-        return self.train.model_copy(update=update) if update else self.train
-
-    def adapter_configs(self) -> dict[str, RunConfig]:
-        """Each adapter's own run config (multi-LoRA): this one with the adapter's LoRA and train
-        overrides, ``lora.adapter_name`` = its name, fully-async mode, no ``multi_lora``; in shared
-        mode ``train.use_tis`` defaults to on. Errors name the adapter and the field."""
-        from pydantic import ValidationError
-
-        assert self.multi_lora is not None and self.lora is not None
-        base = self.model_dump()
-        base["multi_lora"] = None  # its mode is fully async already
-        # the multi-LoRA run saves and resumes each adapter itself (flows/multi_lora.py)
-        base["checkpoint"] = {**base["checkpoint"], "save_interval": None}
-        configs = {}
-        for spec in self.multi_lora.specs:
-            raw = dict(base)
-            raw["lora"] = {**base["lora"], **spec.lora, "adapter_name": spec.name}
-            train = {**base["train"]}
-            if self.multi_lora.rollout_source == "shared":
-                train["use_tis"] = True
-            elif train["use_tis"] is None:  # per adapter: each adapter generates its own samples
-                train["use_tis"] = False
-            train.update(spec.train)
-            raw["train"] = train
-            try:
-                configs[spec.name] = RunConfig.model_validate(raw)
-            except ValidationError as e:
-                raise ValueError(f"multi_lora adapter {spec.name!r}: its overrides make an invalid config:\n{e}") from None
-        return configs
-
-    def engines_tie_weights(self) -> bool:
-        """Whether every engine of the run ties a snapshot's ``lm_head.weight`` to its embeddings on load
-        (the transformers engine does), so snapshots store a tied head once. Servers get it written out."""
-        engines = [self.engine] + ([self.eval.engine_config] if self.eval.engine_config is not None else [])
-        return all(e.type == "hf" for e in engines)
-
-    @property
-    def samples_per_rollout(self) -> int:
-        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
-
-    @classmethod
-    def from_toml(cls, path: str | Path) -> RunConfig:
-        """Load a config file; errors name the file and the offending field."""
-        return cls.model_validate_file_dict(cls.read_toml(path), source=str(path))
-
-    @staticmethod
-    def read_toml(path: str | Path) -> dict[str, Any]:
-        """A config file's tables as written (not validated: flags go on top before validation)."""
-        path = Path(path)
-        try:
-            return tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: not valid TOML: {e}") from None
-
-    @classmethod
-    def model_validate_file_dict(cls, raw: dict[str, Any], source: str) -> RunConfig:
-        from pydantic import ValidationError
-
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as e:
-            raise ValueError(f"{source}: invalid run config:\n{e}") from None
-
-    def public_dict(self) -> dict[str, Any]:
-        """The config as JSON-able data, without secrets (storage options are dropped)."""
-        data = self.model_dump(mode="json")
-        data["storage"].pop("storage_options", None)
-        for table, given in zip(dataset_tables(data), dataset_tables(self.model_dump())):
-            if given.get("storage_options"):
-                table["storage_options"] = REDACTED
-        return data
