@@ -36,7 +36,7 @@ def upgrade_mode(raw: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
     legacy = out.pop("async_rollout", None)
     mode = out.get("mode", {"type": "sync"})
     if isinstance(mode, BaseModel) and legacy is None:
-        return out  # a table already (an assignment validates the run's fields as they are: left so)
+        return out  # a table already (a config built in Python: RunConfig(mode=AsyncMode()))
     if isinstance(mode, BaseModel):
         mode = mode.model_dump()
     if not isinstance(mode, dict):

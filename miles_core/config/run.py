@@ -96,8 +96,6 @@ class RunConfig(_Base):
                 f"train.global_batch_size={gbs} must divide the rollout batch "
                 f"(rollout_batch_size * n_samples_per_prompt = {samples} samples)"
             )
-        if self.rollout.n_samples_per_prompt < 1 or self.rollout.rollout_batch_size < 1:
-            raise ValueError("rollout_batch_size and n_samples_per_prompt must be >= 1")
         self.train.minibatch_sizes(samples)  # global_batch_size and num_steps_per_rollout agree
         if getattr(self.mode, "partial_rollout", False) and self.rollout.custom_generate_function_path:
             raise ValueError(
