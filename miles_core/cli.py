@@ -22,7 +22,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from miles_core.config import EVAL_INHERITS, MODE_TABLES, RunConfig, mode_table, upgrade_mode
+from miles_core.config import (
+    EVAL_INHERITS,
+    MODE_TABLES,
+    RunConfig,
+    merge_overrides,
+    mode_table,
+    upgrade_mode,
+)
 from miles_core.miles_flags import FLAGS, KL_ALIASES, SWITCHES
 
 
@@ -177,65 +184,60 @@ class _Refuse(argparse.Action):
         parser.error(f"{option_string} is a Miles flag not supported here; {self.hint}")
 
 
-def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
-    *parents, leaf = path.split(".")
-    node = data
-    for part in parents:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[leaf] = value
-
-
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    """Defaults <- TOML file <- flags <- --set, validated once at the end."""
+    """Defaults <- TOML file <- flags <- --set, validated once at the end. Each layer is a flat dict
+    of dotted paths put on top with ``merge_overrides``, as a deployment's parameters are."""
+    given = vars(args)
     data: dict[str, Any] = RunConfig.read_toml(args.config) if args.config else {}  # as written: nothing derived yet
-    top_level = {path for path in FLAGS.values() if "." not in path}
-    overrides = {k: v for k, v in vars(args).items() if "." in k or k in top_level}
-    if "mode" in data:
-        data["mode"] = mode_table(data["mode"])
-    _switch_mode(data, overrides)  # before the mode's own flags, whatever their order
-    try:
-        data = upgrade_mode(data)  # an older [async_rollout] table into the run's mode
+    flags = _flag_overrides(given)
+    try:  # the run's mode first: an older [async_rollout] table moves into the mode the run has
+        data = upgrade_mode(merge_overrides(data, _switch_mode(data, given, flags)))
     except ValueError as e:
         raise ValueError(f"{args.config}: {e}") from None
-    for key, value in overrides.items():
-        if key.startswith("switch:") or key == "mode.type":
-            continue
-        if key == "train.kl_type":
-            value = KL_ALIASES.get(value, value)
-        if key == "train.backend.type":
-            value = _switch_backend(data, value)
-        if key == "data.path" and (data.get("data") or {}).get("type") != "file":
-            data["data"] = {"type": "file", "path": value}
-        _set_path(data, key, value)
-    if "eval_prompt_data" in vars(args):  # after the training data's flags, whatever their order
-        _set_eval_prompt_data(data, args.eval_prompt_data)
-    for key, value in vars(args).items():
-        if key.startswith("switch:") and key != "switch:mode.type":
-            _set_path(data, key.removeprefix("switch:"), value)
-    _apply_miles_flags(data, {k.removeprefix("miles:"): v for k, v in vars(args).items() if k.startswith("miles:")})
-    for item in args.set:
-        path, sep, text = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects PATH=VALUE, got {item!r}")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        _set_path(data, path.strip(), value)
+    tables = _kind_tables(data, flags)  # takes the flags that pick a kind out of flags
+    data = merge_overrides(data, tables | flags)
+    if "eval_prompt_data" in given:  # after the training data's flags, whatever their order
+        data = merge_overrides(data, _eval_prompt_data(data, given["eval_prompt_data"]))
+    data = merge_overrides(data, _miles_overrides(data, {k.removeprefix("miles:"): v for k, v in given.items()
+                                                         if k.startswith("miles:")}))
+    data = merge_overrides(data, _set_overrides(args.set))
     _check_file_flags(data)
     _check_backend_flags(data)
-    _check_mode_flags(data, overrides)
+    _check_mode_flags(data, flags)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
         raise ValueError(f"{_blame(e, args)}: invalid run config:\n{e}") from None
-    if "miles:num_epoch" in vars(args):
-        if "rollout.num_rollout" in overrides:
+    if "miles:num_epoch" in given:
+        if "rollout.num_rollout" in flags:
             raise SystemExit("--num-epoch and --num-rollout both set the run's length: give one of them")
-        cfg = cfg.updated({"rollout.num_rollout": _epochs_to_rollouts(cfg, vars(args)["miles:num_epoch"])})
+        cfg = cfg.updated({"rollout.num_rollout": _epochs_to_rollouts(cfg, given["miles:num_epoch"])})
     return cfg
+
+
+def _flag_overrides(given: dict[str, Any]) -> dict[str, Any]:
+    """The fields the flags set, by dotted path (``FLAGS``), then the switches' (``SWITCHES``); the
+    mode's kind is ``_switch_mode``'s."""
+    flags = {k: v for k, v in given.items() if k in FLAGS.values()}
+    flags |= {k.removeprefix("switch:"): v for k, v in given.items() if k.startswith("switch:")}
+    flags.pop("mode.type", None)
+    if "train.kl_type" in flags:
+        flags["train.kl_type"] = KL_ALIASES.get(flags["train.kl_type"], flags["train.kl_type"])
+    return flags
+
+
+def _set_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set PATH=VALUE``, each value parsed as JSON when it can be."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        path, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects PATH=VALUE, got {item!r}")
+        try:
+            overrides[path.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[path.strip()] = text
+    return overrides
 
 
 def _blame(error: ValidationError, args: argparse.Namespace) -> str:
@@ -274,36 +276,33 @@ def _shown(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def _set_eval_prompt_data(data: dict[str, Any], values: list[str]) -> None:
+def _eval_prompt_data(data: dict[str, Any], values: list[str]) -> dict[str, Any]:
     """``--eval-prompt-data PATH``: the path of ``eval.data`` (a file dataset read like the training
     data, unless the config file's ``eval.data`` says how); ``NAME PATH [NAME PATH ...]``: these
     named file datasets, read like the training data, replace the file's ``eval.data`` and ``eval.datasets``."""
-    train_data = data.get("data") or {}
-    inherited = {k: v for k, v in train_data.items() if k in EVAL_INHERITS}
-    ev = data.setdefault("eval", {})
+    inherited = {k: v for k, v in (data.get("data") or {}).items() if k in EVAL_INHERITS}
     if len(values) == 1:
-        if (ev.get("data") or {}).get("type") != "file":
-            ev["data"] = {**inherited, "type": "file"}
-        ev["data"]["path"] = values[0]
-        return
+        if ((data.get("eval") or {}).get("data") or {}).get("type") == "file":
+            return {"eval.data.path": values[0]}
+        return {"eval.data": {**inherited, "type": "file", "path": values[0]}}
     if len(values) % 2:
         raise SystemExit(f"--eval-prompt-data takes one PATH or NAME PATH pairs; got {len(values)} values: "
                          f"{' '.join(values)}")
     pairs = zip(values[::2], values[1::2])
-    ev["data"] = None
-    ev["datasets"] = [{"name": name, "data": {**inherited, "type": "file", "path": path}} for name, path in pairs]
+    return {"eval.data": None,
+            "eval.datasets": [{"name": name, "data": {**inherited, "type": "file", "path": path}} for name, path in pairs]}
 
 
-def _apply_miles_flags(data: dict[str, Any], given: dict[str, Any]) -> None:
+def _miles_overrides(data: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """The Miles flags with a meaning of their own here (``miles_flags.NOTES``)."""
-    if "load" in given:
-        _set_run_folder(data, given["load"])
+    overrides = _run_folder(given["load"]) if "load" in given else {}
     if given.get("use_kl_loss") and not (data.get("train") or {}).get("kl_loss_coef"):
         raise SystemExit("--use-kl-loss needs --kl-loss-coef > 0: here the KL term is in the loss exactly when its "
                          "coefficient is above 0 (Miles only logs the KL with a coefficient of 0)")
-    for key in ("input_key", "label_key"):
-        if f"eval_{key}" in given:
-            _set_eval_key(data, key, given[f"eval_{key}"])
+    keys = {key: given[f"eval_{key}"] for key in ("input_key", "label_key") if f"eval_{key}" in given}
+    if keys:
+        overrides |= _eval_keys(data, keys)
+    return overrides
 
 
 def _epochs_to_rollouts(cfg: RunConfig, epochs: int) -> int:
@@ -329,7 +328,7 @@ def _epochs_to_rollouts(cfg: RunConfig, epochs: int) -> int:
     return steps
 
 
-def _set_run_folder(data: dict[str, Any], folder: str) -> None:
+def _run_folder(folder: str) -> dict[str, Any]:
     """``--load <root>/<name>/<run id>``: run there (resuming from its latest checkpoint)."""
     import os
     import posixpath
@@ -346,20 +345,25 @@ def _set_run_folder(data: dict[str, Any], folder: str) -> None:
     if local and not os.path.isdir(os.path.join(path, "checkpoints")):
         raise SystemExit(f"--load {folder}: that run has no checkpoints to resume from (runs save them with "
                          "--save-interval N)")
-    data["name"], data["run_id"] = name, run_id
-    _set_path(data, "storage.root", root)
+    return {"name": name, "run_id": run_id, "storage.root": root}
 
 
-def _set_eval_key(data: dict[str, Any], key: str, value: str) -> None:
-    """``--eval-input-key`` / ``--eval-label-key``: that key in every held-out file dataset."""
+def _eval_keys(data: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
+    """``--eval-input-key`` / ``--eval-label-key``: these keys in every held-out file dataset."""
     ev = data.get("eval") or {}
-    tables = [ev.get("data")] + [d.get("data") for d in ev.get("datasets") or []]
-    files = [t for t in tables if isinstance(t, dict) and t.get("type") == "file"]
-    if not files:
-        raise SystemExit(f"--eval-{key.replace('_', '-')} sets a key of held-out files: add --eval-prompt-data "
-                         "[NAME] PATH ...")
-    for t in files:
-        t[key] = value
+    datasets = ev.get("datasets") or []
+    if not _is_file(ev.get("data")) and not any(_is_file(d.get("data")) for d in datasets):
+        raise SystemExit(f"--eval-{next(iter(keys)).replace('_', '-')} sets a key of held-out files: add "
+                         "--eval-prompt-data [NAME] PATH ...")
+    overrides = {f"eval.data.{key}": value for key, value in keys.items()} if _is_file(ev.get("data")) else {}
+    if datasets:
+        overrides["eval.datasets"] = [{**d, "data": {**d["data"], **keys}} if _is_file(d.get("data")) else d
+                                      for d in datasets]
+    return overrides
+
+
+def _is_file(table: Any) -> bool:
+    return isinstance(table, dict) and table.get("type") == "file"
 
 
 def _check_file_flags(data: dict[str, Any]) -> None:
@@ -373,14 +377,24 @@ _DEEPSPEED_FLAGS = {path.rsplit(".", 1)[1]: flag for flag, path in FLAGS.items()
                     if path.startswith("train.backend.") and path != "train.backend.type"}
 
 
-def _switch_backend(data: dict[str, Any], kind: str) -> str:
-    """``--train-backend`` over a file naming another backend starts a fresh backend table (the old
-    backend's own settings would not fit the new one); only ``device`` carries over."""
-    train = data.setdefault("train", {})
-    backend = train.get("backend") or {}
-    if backend.get("type", "torch") != kind:
-        train["backend"] = {k: v for k, v in backend.items() if k == "device"}
-    return kind
+def _kind_tables(data: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """The tables that flags picking a kind start from (taken out of ``flags``), so that the flags of
+    that kind's settings land in them whatever their order. ``--train-backend`` over a file naming
+    another backend starts afresh but for ``device`` (the old backend's own settings would not fit);
+    ``--advantage-estimator`` sets the loss's ``type`` and keeps the file's loss settings;
+    ``--prompt-data`` over data that is not a file dataset makes one."""
+    train = data.get("train") or {}
+    tables: dict[str, Any] = {}
+    if "train.backend.type" in flags:
+        kind, backend = flags.pop("train.backend.type"), train.get("backend") or {}
+        if backend.get("type", "torch") != kind:
+            backend = {k: v for k, v in backend.items() if k == "device"}
+        tables["train.backend"] = {**backend, "type": kind}
+    if "train.loss.type" in flags:
+        tables["train.loss"] = {**(train.get("loss") or {}), "type": flags.pop("train.loss.type")}
+    if "data.path" in flags and not _is_file(data.get("data")):
+        tables["data"] = {"type": "file", "path": flags.pop("data.path")}
+    return tables
 
 
 def _check_backend_flags(data: dict[str, Any]) -> None:
@@ -395,19 +409,19 @@ def _check_backend_flags(data: dict[str, Any]) -> None:
         )
 
 
-def _switch_mode(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+def _switch_mode(data: dict[str, Any], given: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
     """``--mode`` / ``--fully-async``: over a config of another mode, that mode's table starts afresh
     (the other mode's settings do not apply to it); over the same mode, the file's settings stay."""
-    wanted = {overrides[k] for k in ("mode.type", "switch:mode.type") if k in overrides}
+    wanted = {given[k] for k in ("mode.type", "switch:mode.type") if k in given}
     if len(wanted) > 1:
-        raise SystemExit(f"--mode {overrides['mode.type']} and --fully-async disagree: give one of them")
-    if wanted:
-        kind = wanted.pop()
-        multi = data.get("multi_lora") is not None or any(k.startswith("multi_lora.") for k in overrides)
-        if multi and kind != "fully_async":
-            raise SystemExit(f"--mode {kind}: a multi-LoRA run is always fully async (leave --mode out)")
-        if (data.get("mode") or {}).get("type", "sync") != kind:
-            data["mode"] = {"type": kind}
+        raise SystemExit(f"--mode {given['mode.type']} and --fully-async disagree: give one of them")
+    if not wanted:
+        return {}
+    kind = wanted.pop()
+    multi = data.get("multi_lora") is not None or any(k.startswith("multi_lora.") for k in flags)
+    if multi and kind != "fully_async":
+        raise SystemExit(f"--mode {kind}: a multi-LoRA run is always fully async (leave --mode out)")
+    return {} if (mode_table(data.get("mode")) or {}).get("type", "sync") == kind else {"mode": {"type": kind}}
 
 
 def _check_mode_flags(data: dict[str, Any], overrides: dict[str, Any]) -> None:

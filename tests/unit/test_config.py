@@ -128,6 +128,14 @@ def test_prompt_data_flags_make_a_file_dataset_and_eval_inherits_keys():
     assert cfg.rollout.reward == "gsm8k"
 
 
+def test_flags_of_a_kind_land_whatever_their_order():
+    """A flag of a kind's settings given before the flag that picks the kind is kept (it was dropped
+    when the kind's table started afresh after it)."""
+    cfg = _cfg("--input-key", "question", "--prompt-data", "train.jsonl", "--eval-prompt-data", "test.jsonl")
+    assert (cfg.data.path, cfg.data.input_key, cfg.eval.data.input_key) == ("train.jsonl", "question", "question")
+    assert _cfg("--zero-stage", "3", "--train-backend", "deepspeed").train.backend.zero_stage == 3
+
+
 def test_flags_override_toml_and_set_reaches_any_field(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('name = "x"\n[rollout]\nrollout_batch_size = 8\nnum_rollout = 3\n[train]\nlr = 0.1\n')
