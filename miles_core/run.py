@@ -98,7 +98,7 @@ class RunSession:
         self.cfg, self.refs = cfg, refs
         self.files = RunFiles.open(cfg, refs)
         self.loop = EngineLoop()
-        self.training = TrainerSide(cfg, refs, self.files)
+        self.training = TrainerSide(cfg, refs, self.files, producers=lambda: self.fleet)
         trainer = lambda: self.training.trainer  # noqa: E731 (built when an engine first needs its weights)
         self.rollouts = RolloutSide(cfg, refs, self.files, self.loop,
                                     lent=trainer_weights(cfg, cfg.engine, trainer, rollout=True))
@@ -174,7 +174,6 @@ class RunSession:
         from miles_core.rollout.supervisor import Fleet
 
         self.fleet = Fleet(self.cfg, self.refs, launcher, self.files.stream, warn=warn)
-        self.training.use_fleet(self.fleet)
         self.fleet.start()
         return self.fleet
 
