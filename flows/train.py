@@ -21,7 +21,8 @@ engine between steps (fully async: the producer pauses meanwhile). A checkpoint 
 ``checkpoint.save_interval`` steps and after the last one. Per-step metrics go to
 ``metrics.jsonl`` in the run folder and to Prefect artifacts (a progress bar during the run, a
 metrics table, the reward and accuracy curves (``curves.png``, an image artifact) and a markdown
-summary at the end).
+summary at the end). The flow holds no session: its tasks record each step (``record-step``), end
+the run (``finish-run``) and stop it (``stop-run``); its live report reads the run's files.
 
 Resuming: a ``cfg.run_id`` naming a run with a checkpoint at step k goes on from step k + 1
 (``resume-run``; see ``RunSession.resume``) up to ``rollout.num_rollout``, keeping the run's
@@ -44,8 +45,8 @@ from prefect.utilities.annotations import quote
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_at_end, audit_line, raise_if_unbalanced
-from miles_core.run import RolloutRef, RunRefs, TrainRef, check_lease, checkpoint_due, close_session, get_session
+from miles_core.ledger import audit_line, raise_if_unbalanced
+from miles_core.run import RolloutRef, RunRefs, check_lease, checkpoint_due, close_session, get_session, history_files
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
@@ -53,10 +54,14 @@ from tasks.train import (
     check_data,
     evaluate,
     evaluate_version,
+    finish_run,
+    push_rollout_weights,
     push_weights,
+    record_step,
     resume_run,
     rollout,
     save_checkpoint,
+    stop_run,
     train_from_stream,
     train_step,
 )
@@ -102,7 +107,6 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     log = get_run_logger()
     t_start = time.perf_counter()
     cfg, refs = begin_run(cfg)
-    session = get_session(cfg, refs)
     log.info("run %s: %s", refs.run_id, refs.run_dir)
     total = cfg.rollout.num_rollout
     try:
@@ -115,20 +119,21 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         elif start:
             log.info("resuming run %s from checkpoint at step %d (steps %d to %d to go)", refs.run_id, start,
                      start + 1, total)
-        live = LiveReport(cfg.name, artifact_key(cfg.name, refs.run_id), total, start, session.history,
+        live = LiveReport(cfg.name, artifact_key(cfg.name, refs.run_id), total, start, history_files(cfg, refs),
                           cfg.tracking.live_every_s)
         steps = {"sync": _sync_steps, "async": _async_steps, "fully_async": _fully_async_steps}[cfg.mode.type]
         with run_slots(cfg), InRunEvals(cfg, refs, log) as evals:
             if cfg.mode.type == "fully_async":  # the producers start (processes: seconds) while the start is evaluated
                 launch_producers(cfg, refs)
-            before = _before_training(cfg, refs, session, start, log)
-            for step, row, r in steps(cfg, refs, session, start):
-                reward_errors = row.pop(REWARD_ERRORS, [])
+            _before_training(cfg, refs, start, log)
+            for step, row, r in steps(cfg, refs, start):
+                reward_errors, shared_eval = row.pop(REWARD_ERRORS, []), None
                 if _due(cfg, step) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
-                    row["eval_accuracy"] = evaluate(quote(cfg), quote(refs), quote(step + 1))["accuracy"]
+                    shared_eval = evaluate(quote(cfg), quote(refs), quote(step + 1))
+                    row["eval_accuracy"] = shared_eval["accuracy"]
                 elif _due(cfg, step):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
-                session.history.record(step + 1, row)
+                record_step(quote(cfg), quote(refs), quote(step + 1), quote(row))
                 if checkpoint_due(cfg, step + 1):
                     save_checkpoint(quote(cfg), quote(refs), quote(step + 1), quote(r))
                 log.info(_step_line(step, total, row))
@@ -136,17 +141,15 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     log.warning("step %d: %d of %d samples' rewards failed (they train nothing): %s", step + 1,
                                 int(row["reward_failed"]), int(row.get("num_samples", 0)),
                                 "; ".join(reward_errors))
-                if "eval_accuracy" in row:
-                    log.info(_eval_line(f"after step {step + 1}", session.history.eval_rows[-1]))
+                if shared_eval is not None:
+                    log.info(_eval_line(f"after step {step + 1}", shared_eval))
                 live.step_done(step + 1)
                 check_lease(refs)  # another trainer took this run over (after this one stalled): stop
                 if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
-                    raise _stopped(cfg, refs, session, step + 1, r)
-        after = session.history.eval_rows[-1] if session.history.eval_rows else None
-        summary = _summary(cfg, refs, session, before, after, start, time.perf_counter() - t_start)
-        summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)
-        session.finish(summary)
-        _publish_artifacts(cfg, summary, session, live)
+                    raise _stopped(cfg, refs, step + 1, r)
+        summary, curves = finish_run(quote(cfg), quote(refs), quote(start), quote(time.perf_counter() - t_start))
+        live.finish(note=f" (also {curves})")
+        _publish_summary(cfg, summary, curves)
         raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary
     except RunStopped as stop:  # asked to stop: Cancelled, with where it can resume from
@@ -155,18 +158,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         close_session(refs)
 
 
-def _stopped(cfg: RunConfig, refs: RunRefs, session, done: int, r: RolloutRef | None) -> RunStopped:
-    """The run was asked to stop after step ``done``: save a checkpoint there if the run keeps them."""
-    text = f"run {refs.run_id} stopped after step {done} of {cfg.rollout.num_rollout}, as asked"
-    if done == 0:
-        return RunStopped(f"{text}; nothing to checkpoint before the first step (the same command starts it "
-                          "again)", refs.run_id)
-    if cfg.checkpoint.save_interval is None:
-        why = "set --save-interval N to make a run resumable"
-        return RunStopped(f"{text}; no checkpoint ({why}); its steps are in {session.layout.metrics}", refs.run_id)
-    if not checkpoint_due(cfg, done) and done not in session.layout.checkpoints():  # else it has one there
-        save_checkpoint(cfg, refs, done, r)
-    return RunStopped(f"{text}; checkpoint at step {done}: {session.layout.checkpoint(done)}", refs.run_id, done)
+def _stopped(cfg: RunConfig, refs: RunRefs, done: int, r: RolloutRef | None) -> RunStopped:
+    """The run was asked to stop after step ``done`` (``r``: that step's rollout, or None): it is
+    checkpointed there if it keeps checkpoints."""
+    text, step = stop_run(quote(cfg), quote(refs), quote(done), quote(r))
+    return RunStopped(text, refs.run_id, step)
 
 
 # ------------------------------------------------------------------------------ execution modes
@@ -197,7 +193,7 @@ def _run(task, *args, after: Any = None) -> tuple[Any, PrefectConcurrentFuture]:
     return state.result(), _ran(state)
 
 
-def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
+def _sync_steps(cfg: RunConfig, refs: RunRefs, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
     """rollout k -> train k -> push weights k."""
     c, q = quote(cfg), quote(refs)  # not introspected by Prefect on every call (they hold no futures)
     pushed = None
@@ -213,14 +209,14 @@ def _sync_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[
         yield step, _with_idle(row), r
 
 
-def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
+def _async_steps(cfg: RunConfig, refs: RunRefs, start: int) -> Iterator[tuple[int, dict, RolloutRef]]:
     """Rollout k+1 is submitted before train k, so the two overlap. Weights are pushed (every
     ``update_weights_interval`` steps, and after the last) only once that rollout has finished:
     samples are at most ``update_weights_interval`` versions stale."""
     total, interval = cfg.rollout.num_rollout, cfg.mode.update_weights_interval
-    if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
-        _load_version(cfg, refs, session, _async_rollout_version(session, interval, start))
     c, q = quote(cfg), quote(refs)  # as in _sync_steps
+    if start > 0:  # resumed: the redone rollouts are generated with the weights they first were
+        push_rollout_weights(c, q, quote(start))
     ahead = rollout.submit(c, refs, quote(start))
     pushed = None  # the newest push: the rollouts submitted after it generate with its weights
     try:
@@ -229,7 +225,7 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
             r = ahead.result()
             waited = time.perf_counter() - t0
             if step == start > 0 and step + 1 < total:
-                _load_version(cfg, refs, session, _async_rollout_version(session, interval, step + 1))
+                push_rollout_weights(c, q, quote(step + 1))
             rolled = ahead
             ahead = rollout.submit(c, q, quote(step + 1), wait_for=pushed) if step + 1 < total else None
             t, trained = _run(train_step, c, q, quote(r), after=rolled)
@@ -250,7 +246,7 @@ def _async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator
             ahead.wait()
 
 
-def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> Iterator[tuple[int, dict, None]]:
+def _fully_async_steps(cfg: RunConfig, refs: RunRefs, start: int) -> Iterator[tuple[int, dict, None]]:
     """The run's rollout fleet (child processes, or flow runs of ``mode.rollout_deployment``),
     started by ``launch-producers`` before the starting policy's evaluation, talks to the trainer
     only through the run folder; each ``train-k`` takes the next ``rollout_batch_size`` trainable
@@ -263,24 +259,11 @@ def _fully_async_steps(cfg: RunConfig, refs: RunRefs, session, start: int) -> It
         try:
             t, trained = _run(train_from_stream, c, q if trained else refs, quote(step), after=trained)
         except RunStopped:  # asked to stop while waiting for data: the steps done so far are kept
-            raise _stopped(cfg, refs, session, step, None) from None
+            raise _stopped(cfg, refs, step, None) from None
         row = {**t.metrics, "version": t.version, "step_seconds": time.perf_counter() - t0,
                REWARD_ERRORS: t.reward_errors}
         yield step, _with_idle(row), None
     stop_producers(cfg, refs)  # a run that fails or is cancelled cancels them instead, in close_session
-
-
-def _async_rollout_version(session, interval: int, k: int) -> int:
-    """The weights version the engine held when an uninterrupted async run submitted rollout ``k``
-    (0-based): it is submitted before step k's training starts, so it is generated with the version
-    pushed after the last step n <= k - 1 (1-based) with n % interval == 0 (0: none yet)."""
-    pushed = [r["version"] for r in session.history.metrics_rows if r["step"] <= k - 1 and r["step"] % interval == 0]
-    return int(pushed[-1]) if pushed else 0
-
-
-def _load_version(cfg: RunConfig, refs: RunRefs, session, version: int) -> None:
-    uri = session.training.weights_uri(version)
-    push_weights(quote(cfg), quote(refs), quote(TrainRef(step=-1, version=version, weights_uri=uri)))
 
 
 def _with_idle(row: dict[str, Any]) -> dict[str, Any]:
@@ -349,45 +332,19 @@ def _raise_unless_completed(state) -> None:
     raise RuntimeError(f"in-run evaluation {state.name!r} ended {state.type.value}: {state.message}")
 
 
-def _before_training(cfg: RunConfig, refs, session, start: int, log) -> dict[str, float] | None:
-    """The starting policy's evaluation: run now on a fresh run; a resumed run takes it from its
-    eval history (its engine no longer holds the starting weights)."""
-    if start > 0:
-        return next((e for e in session.history.eval_rows if e["step"] == 0), None)
-    if cfg.eval.skip_eval_before_train:
-        return None
+def _before_training(cfg: RunConfig, refs: RunRefs, start: int, log) -> None:
+    """The starting policy's evaluation, on a fresh run (a resumed run has it in its history)."""
+    if start > 0 or cfg.eval.skip_eval_before_train:
+        return
     if cfg.mode.type == "fully_async" and cfg.eval.engine == "separate":  # the trainer's process has no rollout engine
         before = evaluate_version(cfg, refs, 0, 0)
     else:
         before = evaluate(cfg, refs, 0)
     log.info(_eval_line("before training", before))
-    return before
 
 
-def _summary(cfg, refs, session, before, after, start, seconds) -> dict[str, Any]:
-    return {
-        "run_id": refs.run_id,
-        "resumed_from_step": start or None,
-        "run_dir": refs.run_dir,
-        "model_dir": refs.model_dir,
-        "steps": cfg.rollout.num_rollout,
-        "accuracy_before": before["accuracy"] if before else None,
-        "accuracy_after": after["accuracy"] if after else None,
-        "final_version": session.weights.latest(),
-        "metrics": session.layout.metrics,
-        "eval": session.layout.eval,
-        "samples": session.layout.samples() if session.fleet is None else session.layout.url("samples"),
-        "weights": session.layout.weights,
-        "seconds": round(seconds, 1),
-        **({"producers": session.fleet.summary()} if session.fleet is not None else {}),
-    }
-
-
-def _publish_artifacts(cfg: RunConfig, summary: dict[str, Any], session, live: LiveReport) -> None:
-    """The run's last progress line, metrics table and curves (``curves.png`` in the run folder too),
-    and its markdown summary."""
-    curves = session.layout.url("curves.png")
-    session.layout.write_bytes("curves.png", live.finish(note=f" (also {curves})"))
+def _publish_summary(cfg: RunConfig, summary: dict[str, Any], curves: str) -> None:
+    """The run's markdown summary artifact."""
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     md = "\n".join([

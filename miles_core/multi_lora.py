@@ -82,6 +82,24 @@ def adapter_reader(name: str) -> str:
     return f"adapter-{name}"
 
 
+class RunProducer:
+    """The run's producer as one adapter's trainer reads it (``session.training.Producers``): the
+    run's streams, prompt log and producer error, and a meter of its own."""
+
+    def __init__(self, run: MultiLoraRun) -> None:
+        self.run = run
+        self.metrics = ProducerMeter(lambda: run.producer)
+
+    def streams(self) -> list[tuple[Any, int | None]]:
+        return self.run.streams()
+
+    def recycle(self, groups) -> None:
+        self.run.recycle(groups)
+
+    def check(self) -> None:
+        self.run.check_producer()
+
+
 class AdapterSession:
     """One adapter of a multi-LoRA run: the run's engine (through its adapter), loop, tokenizer and
     sample stream; its own trainer side, evaluator, history and checkpointer."""
@@ -100,10 +118,10 @@ class AdapterSession:
         layout = RunLayout(run.refs.run_dir, "adapters", name, opts, retry=retry)
         self.files = RunFiles(layout, run.files.stream, WeightStore(layout.weights, storage_options=opts, retry=retry))
         per_adapter = run.cfg.multi_lora.rollout_source == "per_adapter"
+        producers = RunProducer(run)
         self.training = TrainerSide(
             self.cfg, self.refs, self.files, reader=adapter_reader(name),
-            view=adapter_view(name) if per_adapter else shared_view(name), producer_check=run.check_producer,
-            producer_metrics=ProducerMeter(lambda: run.producer), streams=run.streams, recycle=run.recycle,
+            view=adapter_view(name) if per_adapter else shared_view(name), producers=lambda: producers,
             fleet_dir=run.refs.run_dir, build_trainer=(lambda: run.bank_trainer(name)) if run.shares_base else None,
         )
         self.history = RunHistory(layout, run.trackers, prefix=f"{name}/")

@@ -12,7 +12,9 @@
   the fleet paused), ``save_checkpoint`` / ``resume`` (the trainer state and the prompt cursor after
   step k go to ``checkpoints/step-<k>/`` when ``checkpoint_due``; ``resume`` puts the run back to its
   newest complete checkpoint, so the steps after it are redone exactly as they first ran),
-  ``start_fleet`` / ``stop_fleet``, ``finish`` and ``close``.
+  ``start_fleet`` / ``stop_fleet``, ``stop_note`` (a run asked to stop), ``summary``, ``finish`` and
+  ``close``.
+- ``history_files(cfg, refs)``: the run's history as its files hold it (for the flow's live report).
 
 Prefect tasks in ``tasks/`` call these and the parts' step methods; ``flows/train.py`` orders them.
 Every step returns a small, JSON-able reference (``miles_core.session.refs``).
@@ -26,7 +28,7 @@ from typing import Any
 from miles_core.config import RunConfig
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
-from miles_core.session.history import RunHistory
+from miles_core.session.history import HistoryFiles, RunHistory
 from miles_core.session.parts import EngineLoop, RunFiles, is_built, trainer_weights
 from miles_core.session.refs import RolloutRef, RunRefs, TrainRef
 from miles_core.session.rollouts import RolloutSide
@@ -34,7 +36,7 @@ from miles_core.session.training import TrainerSide
 from miles_core.trackers import open_trackers
 
 __all__ = ["RolloutRef", "RunRefs", "RunSession", "TrainRef", "checkpoint_due", "close_session", "get_session",
-           "prepare_run"]
+           "history_files", "prepare_run"]
 
 
 FRESH_FEED = {"streams": {}}
@@ -98,7 +100,7 @@ class RunSession:
         self.cfg, self.refs = cfg, refs
         self.files = RunFiles.open(cfg, refs)
         self.loop = EngineLoop()
-        self.training = TrainerSide(cfg, refs, self.files)
+        self.training = TrainerSide(cfg, refs, self.files, producers=lambda: self.fleet)
         trainer = lambda: self.training.trainer  # noqa: E731 (built when an engine first needs its weights)
         self.rollouts = RolloutSide(cfg, refs, self.files, self.loop,
                                     lent=trainer_weights(cfg, cfg.engine, trainer, rollout=True))
@@ -166,6 +168,27 @@ class RunSession:
             self.rollouts.push_weights(self.training.weights_uri(version), version)
         return step
 
+    def stop_note(self, done: int, source_state: dict[str, Any] | None) -> tuple[str, int | None]:
+        """The run was asked to stop after step ``done``: save a checkpoint there if the run keeps them
+        (and has none there yet); returns what to say and the step it resumes from (None: none)."""
+        text = f"run {self.refs.run_id} stopped after step {done} of {self.cfg.rollout.num_rollout}, as asked"
+        if done == 0:
+            return f"{text}; nothing to checkpoint before the first step (the same command starts it again)", None
+        if self.cfg.checkpoint.save_interval is None:
+            why = "set --save-interval N to make a run resumable"
+            return f"{text}; no checkpoint ({why}); its steps are in {self.layout.metrics}", None
+        if done not in self.layout.checkpoints():
+            self.save_checkpoint(done, source_state)
+        return f"{text}; checkpoint at step {done}: {self.layout.checkpoint(done)}", done
+
+    def async_rollout_version(self, k: int) -> int:
+        """The weights version the engine held when an uninterrupted async run submitted rollout ``k``
+        (0-based): it is submitted before step k's training starts, so it is generated with the version
+        pushed after the last step n <= k - 1 (1-based) with n % interval == 0 (0: none yet)."""
+        interval = self.cfg.mode.update_weights_interval
+        pushed = [r["version"] for r in self.history.metrics_rows if r["step"] <= k - 1 and r["step"] % interval == 0]
+        return int(pushed[-1]) if pushed else 0
+
     # -- fully async: a fleet of producers, a trainer that consumes
 
     def start_fleet(self, launcher, warn=print):
@@ -174,13 +197,35 @@ class RunSession:
         from miles_core.rollout.supervisor import Fleet
 
         self.fleet = Fleet(self.cfg, self.refs, launcher, self.files.stream, warn=warn)
-        self.training.use_fleet(self.fleet)
         self.fleet.start()
         return self.fleet
 
     def stop_fleet(self) -> None:
         if self.fleet is not None:
             self.fleet.stop()
+
+    def summary(self, start: int, seconds: float) -> dict[str, Any]:
+        """The run's summary: where its files are, its held-out accuracy before training (its step-0
+        evaluation) and after (its last), ``start`` (the step it resumed from) and its wall time."""
+        evals = self.history.eval_rows
+        before = next((e for e in evals if e["step"] == 0), None)
+        after = evals[-1] if evals else None
+        return {
+            "run_id": self.refs.run_id,
+            "resumed_from_step": start or None,
+            "run_dir": self.refs.run_dir,
+            "model_dir": self.refs.model_dir,
+            "steps": self.cfg.rollout.num_rollout,
+            "accuracy_before": before["accuracy"] if before else None,
+            "accuracy_after": after["accuracy"] if after else None,
+            "final_version": self.weights.latest(),
+            "metrics": self.layout.metrics,
+            "eval": self.layout.eval,
+            "samples": self.layout.samples() if self.fleet is None else self.layout.url("samples"),
+            "weights": self.layout.weights,
+            "seconds": round(seconds, 1),
+            **({"producers": self.fleet.summary()} if self.fleet is not None else {}),
+        }
 
     def finish(self, summary: dict[str, Any]) -> None:
         """End the run's sample stream (readers see ``_END``) and write ``summary.json``."""
@@ -233,6 +278,15 @@ _SESSIONS = RunRegistry(RunSession)
 # Prefect's runner (deployments), and the registry holds a lock, which does not pickle
 def get_session(cfg: RunConfig, refs: RunRefs) -> RunSession:
     return _SESSIONS.get(cfg, refs)
+
+
+def history_files(cfg: RunConfig, refs: RunRefs) -> HistoryFiles:
+    """The run's history as its files hold it, read at each look (builds no session)."""
+    from miles_core.storage.fs import outage_retry
+    from miles_core.storage.layout import RunLayout
+
+    retry = outage_retry(cfg.storage.max_outage_s)
+    return HistoryFiles(RunLayout(cfg.storage.root, cfg.name, refs.run_id, cfg.storage.storage_options, retry=retry))
 
 
 def close_session(refs: RunRefs) -> None:

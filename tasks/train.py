@@ -1,5 +1,6 @@
 """Prefect tasks of a training run. Each is a few lines over ``miles_core.run`` and returns a
-small reference (offsets, versions, URIs, metrics), never tensors or samples."""
+small reference (offsets, versions, URIs, metrics), never tensors or samples. The run's history,
+its end (summary, audit, curves) and its stop are kept here, so the flow holds no session."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
+from miles_core.ledger import audit_at_end
 from miles_core.run import RolloutRef, RunRefs, TrainRef, get_session
 from miles_core.run import prepare_run as _prepare_run
 from tasks.slots import device_slots
@@ -50,6 +52,14 @@ def push_weights(cfg: RunConfig, refs: RunRefs, train_ref: TrainRef) -> float:
     return get_session(cfg, refs).rollouts.push_weights(train_ref.weights_uri, train_ref.version)
 
 
+@task(name="push-weights", cache_policy=NO_CACHE, task_run_name="push-weights-for-rollout-{k}")
+def push_rollout_weights(cfg: RunConfig, refs: RunRefs, k: int) -> float:
+    """A resumed async run: load the version an uninterrupted run generated rollout ``k`` with."""
+    session = get_session(cfg, refs)
+    version = session.async_rollout_version(k)
+    return session.rollouts.push_weights(session.training.weights_uri(version), version)
+
+
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate(cfg: RunConfig, refs: RunRefs, step: int) -> dict[str, float]:
     """Evaluate the rollout engine's weights (it generates there: the rollout's slots)."""
@@ -75,3 +85,31 @@ def train_from_stream(cfg: RunConfig, refs: RunRefs, step: int) -> TrainRef:
     """Fully async: wait for a batch of groups from the fleet's streams and train on it (on the slots
     the flow holds for the run)."""
     return get_session(cfg, refs).training.train_from_stream(step, warn=get_run_logger().warning)
+
+
+@task(name="record-step", cache_policy=NO_CACHE, task_run_name="record-step-{step}")
+def record_step(cfg: RunConfig, refs: RunRefs, step: int, row: dict) -> None:
+    """Add step ``step``'s metrics to the run's history (``metrics.jsonl`` and its trackers)."""
+    get_session(cfg, refs).history.record(step, row)
+
+
+@task(name="stop-run", cache_policy=NO_CACHE, task_run_name="stop-run-after-step-{done}")
+def stop_run(cfg: RunConfig, refs: RunRefs, done: int, rollout_ref: RolloutRef | None) -> tuple[str, int | None]:
+    """The run was asked to stop after step ``done``: checkpoint it there if it keeps checkpoints;
+    returns what to say and the step it resumes from (``RunSession.stop_note``)."""
+    return get_session(cfg, refs).stop_note(done, rollout_ref.source_state if rollout_ref else None)
+
+
+@task(name="finish-run", cache_policy=NO_CACHE, task_run_name="finish-run")
+def finish_run(cfg: RunConfig, refs: RunRefs, start: int, seconds: float) -> tuple[dict, str]:
+    """End the run: its summary with the prompt ledger's audit (``summary.json``) and its reward and
+    held-out accuracy curves (``curves.png``); returns the summary and the curves' URL."""
+    from miles_core.report import run_curves
+
+    session = get_session(cfg, refs)
+    summary = session.summary(start, seconds)
+    summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, get_run_logger())
+    session.finish(summary)
+    rows, evals = session.history.metrics_rows, session.history.eval_rows
+    png = run_curves(rows, evals, f"{cfg.name}: step {rows[-1]['step'] if rows else 0}/{cfg.rollout.num_rollout}")
+    return summary, session.layout.write_bytes("curves.png", png)

@@ -61,3 +61,19 @@ class RunHistory:
     def has_steps(self) -> bool:
         """Whether ``metrics.jsonl`` has any row (written by this process or an earlier one)."""
         return bool(self.layout.read_jsonl("metrics.jsonl"))
+
+
+class HistoryFiles:
+    """A run's history as its files hold it, read at each look: the view of a process that records
+    nothing itself (the training flow's live report; the tasks record)."""
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout = layout
+
+    @property
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        return self.layout.read_jsonl("metrics.jsonl")
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        return self.layout.read_jsonl("eval.jsonl")

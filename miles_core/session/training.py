@@ -2,9 +2,9 @@
 
 ``TrainerSide`` trains a sync or async run's segment (``train``) or the next batch of a fully-async
 run's streams (``train_from_stream``), and publishes each new version to the weight store. What it
-reads in a fully-async run: every producer's stream, a dead one's up to its fence (``streams``: a
-fleet's, ``use_fleet``, or a multi-LoRA run's producers), under its own reader name and through a
-view for a multi-LoRA adapter (``reader``, ``view``, ``producer_check``, ``producer_metrics``).
+reads in a fully-async run is its ``Producers`` (a fleet, or a multi-LoRA run's producer): every
+producer's stream, a dead one's up to its fence, under its own reader name and through a view for a
+multi-LoRA adapter (``reader``, ``view``).
 
 A step that changes nothing (every sample's reward failed, or the loss or gradient norm was not
 finite) publishes no version and is counted (``skipped_step`` in its metrics, a warning);
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.config import RunConfig
 from miles_core.ledger import write_step
@@ -29,10 +29,26 @@ from miles_core.types import Group
 
 if TYPE_CHECKING:
     from miles_core.rollout.consumer import GroupFeed, GroupView
-    from miles_core.rollout.supervisor import Fleet
     from miles_core.storage.stream import SampleStream
 
 log = logging.getLogger(__name__)
+
+
+class Producers(Protocol):
+    """What a fully-async trainer trains from: a fleet (``rollout.supervisor.Fleet``), or a multi-LoRA
+    run's producer as one adapter sees it (``multi_lora.RunProducer``)."""
+
+    def streams(self) -> list[tuple[SampleStream, int | None]]:
+        """Every producer's stream, each with its fence (the last offset to read; None: no fence)."""
+
+    def recycle(self, groups: list[Group]) -> None:
+        """Give the prompts of groups the trainer rejected back to the pool."""
+
+    def check(self) -> None:
+        """Raise if the producers failed (the feed calls it for every batch and as it waits)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The producers' throughput and idle share since the last call."""
 
 
 class SkippedSteps(RuntimeError):
@@ -41,11 +57,8 @@ class SkippedSteps(RuntimeError):
 
 class TrainerSide:
     def __init__(self, cfg: RunConfig, refs: RunRefs, files: RunFiles, *, reader: str = "trainer",
-                 view: GroupView | None = None, producer_check: Callable[[], None] = lambda: None,
-                 producer_metrics: Callable[[], dict[str, float]] = dict,
-                 streams: Callable[[], list[tuple[SampleStream, int | None]]] | None = None,
-                 recycle: Callable[[list[Group]], None] | None = None, fleet_dir: str | None = None,
-                 build_trainer: Callable[[], Any] | None = None) -> None:
+                 view: GroupView | None = None, producers: Callable[[], Producers | None] = lambda: None,
+                 fleet_dir: str | None = None, build_trainer: Callable[[], Any] | None = None) -> None:
         self.cfg, self.refs, self.files = cfg, refs, files
         self.build_trainer = build_trainer
         """Builds the trainer (a multi-LoRA adapter's, on the run's shared base); None: ``setup_trainer``."""
@@ -53,10 +66,9 @@ class TrainerSide:
         """The run folder whose ``fleet/`` (prompt log, heartbeats) this trainer's producers use (a
         multi-LoRA adapter's folder is below its run's)."""
         self.reader, self.view = reader, view
-        self.producer_check, self.producer_metrics = producer_check, producer_metrics
-        self.streams, self.recycle = streams, recycle
-        """Fully async: the producers' streams the feed reads, each with its fence (a fleet's, or a
-        multi-LoRA run's producers), and where rejected groups' prompts go back to (its prompt log)."""
+        self.producers = producers
+        """Fully async: what the feed reads, asked for when the feed is built (a run's fleet starts
+        after its trainer is restored); None: nothing started yet."""
         self.skipped_in_a_row: list[str] = []
         """The latest steps that changed nothing, and why (``train.max_skipped_steps`` fail the run)."""
         self.done_before: set[int] = set()
@@ -75,11 +87,6 @@ class TrainerSide:
             self.cfg.trainer_config(), self.refs.model_dir, self.files.weights, self.cfg.model.dtype, lora=self.cfg.lora,
             storage_options=self.cfg.storage.storage_options,
         )
-
-    def use_fleet(self, fleet: Fleet) -> None:
-        """Train on ``fleet``'s streams: its checks, its recycling and its metrics."""
-        self.streams, self.recycle = fleet.streams, fleet.recycle
-        self.producer_check, self.producer_metrics = fleet.check, fleet.metrics
 
     def weights_uri(self, version: int) -> str:
         return weights_uri(self.files.weights, self.refs, version)
@@ -169,13 +176,13 @@ class TrainerSide:
             a = self.cfg.mode
             capacity = max(1, round(a.buffer_capacity_factor * self.cfg.rollout.rollout_batch_size))
             buffer = make_buffer(a, capacity, first_version=self.trainer.version, path=a.custom_data_buffer_path)
-            if self.streams is None or self.recycle is None:
+            producers = self.producers()
+            if producers is None:
                 raise RuntimeError("a fully-async trainer reads its producers' streams: start its fleet first")
             kwargs: dict[str, Any] = {"warn": warn} if warn is not None else {}
-            self._feed = GroupFeed(self.files.stream, buffer, a, self.streams, self.recycle, reader=self.reader,
-                                   view=self.view,
-                                   read_ahead=a.read_ahead, producer_check=self.producer_check,
-                                   done=self.done_before, **kwargs)
+            self._feed = GroupFeed(self.files.stream, buffer, a, producers.streams, producers.recycle,
+                                   reader=self.reader, view=self.view, read_ahead=a.read_ahead,
+                                   producer_check=producers.check, done=self.done_before, **kwargs)
             self._feed.rejections = list(self.rejections_before)
         return self._feed
 
@@ -196,7 +203,7 @@ class TrainerSide:
         metrics = ref.metrics
         metrics.update(rollout_metrics(batch.groups))
         metrics.update(batch.metrics)
-        metrics.update(self.producer_metrics())
+        metrics.update(self.producers().metrics())
         metrics["async/consumer_drain_seconds"] = drained
         metrics["trainer_wait_seconds"] = batch.wait_seconds
         errors = reward_errors(batch.groups)
