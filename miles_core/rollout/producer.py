@@ -48,13 +48,14 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from miles_core.engines.http import EngineTimeout, EngineUnreachable
 from miles_core.rollout.filters import GroupFilters
 from miles_core.rollout.generate import CustomGenerate, GenerateContext, PromptItem, run_custom_generate
+from miles_core.rollout.throughput import ProducerStats, ThroughputMeter
 from miles_core.types import Group, Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -253,29 +254,6 @@ def _item_of(sample: Sample) -> PromptItem:
 # ------------------------------------------------------------------------------------- producer
 
 
-@dataclass
-class ProducerStats:
-    groups_started: int = 0
-    groups_finished: int = 0
-    groups_written: int = 0
-    segments_written: int = 0
-    samples_finished: int = 0
-    response_tokens: int = 0
-    """Tokens generated into finished samples (kept, filtered or failed alike): the rollout cost."""
-    samples_failed: int = 0
-    generation_errors: int = 0
-    groups_filtered: dict[str, int] = field(default_factory=dict)
-    groups_abandoned: int = 0
-    groups_saved_partial: int = 0
-    groups_resumed_partial: int = 0
-    weight_updates: int = 0
-    weight_update_seconds: float = 0.0
-    backpressure_seconds: float = 0.0
-    idle_seconds: float = 0.0
-    run_seconds: float = 0.0
-    peak_in_flight: int = 0
-
-
 class RolloutProducer:
     def __init__(
         self, cfg: RunConfig, engine: RolloutEngine, prompts: PromptSupply,
@@ -408,7 +386,8 @@ class RolloutProducer:
             await asyncio.to_thread(self._save_state, "failed", _describe(e))
             raise
         finally:
-            self._update_clock(started)
+            self.stats.run_seconds = time.monotonic() - started
+            self.stats_now()  # the idle time and peak in flight of the whole run
             for work in list(self._works):
                 for task in work.tasks:
                     task.cancel()
@@ -418,11 +397,6 @@ class RolloutProducer:
             await asyncio.to_thread(self._writer.close)
         await asyncio.to_thread(self._save_state, "stopped")
         return self.stats
-
-    def _update_clock(self, started: float) -> None:
-        self.stats.run_seconds = time.monotonic() - started
-        self.stats.idle_seconds = self.scheduler.idle_seconds()
-        self.stats.peak_in_flight = self.scheduler.peak
 
     async def _start_next(self) -> None:
         """Take slots for the next unit (a group, or one sample) and start it."""
@@ -685,11 +659,6 @@ class RolloutProducer:
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """What this producer says of itself in its heartbeat."""
-        from dataclasses import asdict
-
-        if self.scheduler is not None:
-            self.stats.idle_seconds = self.scheduler.idle_seconds()
-            self.stats.peak_in_flight = self.scheduler.peak
         version = self.engine.weight_version
         return {
             "status": "paused" if self._paused_for else "running",
@@ -697,8 +666,15 @@ class RolloutProducer:
             "outstanding": self._outstanding(),
             "in_engine": self._in_engine.count if self._in_engine is not None else 0,
             "paused_for": list(self._paused_for),
-            "stats": asdict(self.stats),
+            "stats": asdict(self.stats_now()),
         }
+
+    def stats_now(self) -> ProducerStats:
+        """The counters, with the time idle and the peak in flight up to now."""
+        if self.scheduler is not None:
+            self.stats.idle_seconds = self.scheduler.idle_seconds()
+            self.stats.peak_in_flight = self.scheduler.peak
+        return self.stats
 
     async def _update_weights(self, version: int) -> None:
         """Load ``version``: in-flight requests finish under the old weights, or (partial rollout)
@@ -751,15 +727,11 @@ class RolloutProducer:
                     self._segment_groups[offset] = len(set(segment.table.column("group_index").to_pylist()))
 
     def _save_state(self, status: str, error: str | None = None) -> None:
-        from dataclasses import asdict
-
-        if self.scheduler is not None:
-            self.stats.idle_seconds = self.scheduler.idle_seconds()
         self.layout.write_json(self.state_file, {
             "status": status,
             "error": error,
             "prompts": self.prompts.state(),
-            "stats": asdict(self.stats),
+            "stats": asdict(self.stats_now()),
             "in_flight_samples": self.scheduler.in_flight if self.scheduler else 0,
             "outstanding_groups": self._outstanding(),
             "engine_version": self._versions(),
@@ -814,29 +786,16 @@ def _describe(e: BaseException) -> str:
 
 
 class ProducerMeter:
-    """Throughput and idle share of an in-process producer since the last call (one meter per
-    trainer that reports them; a fleet's trainer reads heartbeats instead: ``Fleet.metrics``)."""
+    """The producer metrics of a producer in the trainer's process, since the last call (one meter
+    per trainer that reports them; a fleet's trainer reads heartbeats instead: ``Fleet.metrics``)."""
 
     def __init__(self, producer: Callable[[], RolloutProducer | None]) -> None:
         self.producer = producer
-        self._seen = (time.monotonic(), 0, 0.0)
+        self._meter = ThroughputMeter(from_zero=True)
 
     def __call__(self) -> dict[str, float]:
         producer = self.producer()
         if producer is None:
             return {}
-        stats, scheduler = producer.stats, producer.scheduler
-        now = time.monotonic()
-        idle = scheduler.idle_seconds() if scheduler is not None else 0.0
-        t_prev, samples_prev, idle_prev = self._seen
-        self._seen = (now, stats.samples_finished, idle)
-        span = max(now - t_prev, 1e-9)
-        return {
-            "async/producer_throughput_qps": (stats.samples_finished - samples_prev) / span,
-            "async/producer_idle_fraction": min(1.0, (idle - idle_prev) / span),
-            "async/in_flight_samples": float(scheduler.in_flight if scheduler is not None else 0),
-            "async/weight_updates": float(stats.weight_updates),
-            "async/groups_filtered": float(sum(stats.groups_filtered.values())),
-            "async/samples_failed": float(stats.samples_failed),
-            "async/generation_errors": float(stats.generation_errors),
-        }
+        in_flight = producer.scheduler.in_flight if producer.scheduler is not None else 0
+        return self._meter([asdict(producer.stats_now())], in_flight)
