@@ -35,14 +35,11 @@ another adapter on the group can measure the group's staleness against its own a
 ``consumer.shared_view``). By default there is one route, the engine itself, with no name.
 
 Every sample records ``submit_version`` (its route's version when it was submitted) and the
-version of each generated span. A weight update lets in-flight requests finish under the old
-weights (their spans say so); with ``partial_rollout`` it aborts them and continues each one under
-the new weights as a new span. A failed generate call is retried ``generation_retries`` times,
-then its sample is marked FAILED with the error and counted; when the engine itself did not answer,
-the producer stops with that error instead (a fleet replaces it, with an engine of its own). Groups
-that dynamic filters reject are counted per filter. On stop, unfinished groups are counted as
-abandoned, or, with ``partial_rollout``, written to the ``partial`` stream, which the next producer
-resumes first.
+version of each generated span; how a weight update and a failed request play out is told in
+``WeightFollower`` and ``rollout.sampler`` (an engine that stops answering stops the producer: a
+fleet replaces it, with an engine of its own). Groups that dynamic filters reject are counted per
+filter. On stop, unfinished groups are counted as abandoned, or, with ``partial_rollout``, written
+to the ``partial`` stream, which the next producer resumes first.
 
 State (``state/producer.json``: the prompt supply's state, counters) is written with every
 segment, so a restarted producer continues where the last segment left off.
