@@ -112,6 +112,7 @@ def produce(cfg, refs, shape: Shape, producer: str, cancel: threading.Event) -> 
     from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, stream_name
     from miles_core.rollout.generate import PromptItem
     from miles_core.rollout.producer import RolloutProducer
+    from miles_core.rollout.sampler import Generation
     from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
     from miles_core.storage import RunLayout, SampleStream
 
@@ -138,8 +139,8 @@ def produce(cfg, refs, shape: Shape, producer: str, cancel: threading.Event) -> 
     loop = LoopThread(f"bench-{producer}")
     try:
         engine = ScriptedEngine(token_latency=shape.token_latency, default_tokens=shape.tokens)
-        member = RolloutProducer(cfg, engine, prompts, score, stream, layout, None,
-                                 SamplingParams(max_new_tokens=shape.tokens), link=link,
+        gen = Generation(engine, SamplingParams(max_new_tokens=shape.tokens), score)
+        member = RolloutProducer(cfg, gen, prompts, stream, layout, None, link=link,
                                  state_file=f"state/producer-{producer}.json")
         stats = asyncio.run_coroutine_threadsafe(member.run(), loop.loop).result()
         link.beat(status="stopped", stats=asdict(stats), outstanding=0)

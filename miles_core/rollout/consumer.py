@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.metrics import quantile
 from miles_core.rollout.buffer import DataBuffer, Rejected, group_lag
-from miles_core.rollout.producer import ADAPTER_VERSIONS
+from miles_core.rollout.sampler import ADAPTER_VERSIONS
 from miles_core.types import Group, Sample, regroup
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from miles_core.types import Group, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 
-_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+"""A sample's status from the engine's finish reason."""
 
 
 @dataclass
@@ -125,7 +126,7 @@ def _to_sample(
         span_starts=[0],
         span_versions=[result.weight_version],
         submit_version=submit_version,
-        status=_STATUS[result.finish_reason],
+        status=FINISH_STATUS[result.finish_reason],
         group_index=group_index,
         sample_index=sample_index,
         prompt_index=item.prompt_index,

@@ -1,15 +1,23 @@
 """The fully-async rollout producer: generates for the whole run into the sample stream.
 
-Parts:
-- ``SlotScheduler``: at most ``max_concurrent_samples`` samples in flight; whole groups or single
-  samples take slots (``AsyncConfig.submit_granularity``), so with ``sample`` a finished sample's
-  slot is refilled at once (backfill).
+Parts, here:
 - ``RolloutProducer``: the asyncio loop. It runs on the engine's event loop and obeys one control
   plane, the run folder's (``link``: stop, pause, fence; ``rollout.worker.ProducerLink``), which it
   polls every ``control_poll_s`` and beats its heartbeat to.
+- ``SlotScheduler``: at most ``max_concurrent_samples`` samples in flight; whole groups or single
+  samples take slots (``AsyncConfig.submit_granularity``), so with ``sample`` a finished sample's
+  slot is refilled at once (backfill).
 - ``PolicyRoute``: a policy that generates groups: a name (stamped on each sample as ``adapter``)
   and the engine its requests go through (for a LoRA adapter, an ``AdapterPolicy`` view of the
   shared engine).
+- ``WeightFollower``: loads each newer weight version from the weight store, beside the loop.
+- ``ProducerMeter``: the producer metrics of a producer in the trainer's process.
+and beside it:
+- ``rollout.sampler``: each sample's requests, spans and retries (``Sampler``), what it is made
+  and scored with (``Generation``), and the door the producer closes while it is paused or loads
+  weights (``EngineDoor``);
+- ``rollout.backlog``: finished groups written as segments, and back-pressure (``Backlog``);
+- ``rollout.throughput``: the producer's counters and the metrics computed from them.
 
 One loop iteration: look for a newer weight version (and load it), wait while paused or while the
 run is ``capacity`` groups ahead of the trainer (back-pressure, measured from the trainer's durable
@@ -27,15 +35,11 @@ another adapter on the group can measure the group's staleness against its own a
 ``consumer.shared_view``). By default there is one route, the engine itself, with no name.
 
 Every sample records ``submit_version`` (its route's version when it was submitted) and the
-version of each generated span. A weight update lets in-flight requests finish under the old
-weights (their spans say so); with ``partial_rollout`` it aborts them and continues each one under
-the new weights as a new span. A failed generate call is retried ``generation_retries`` times,
-then its sample is marked FAILED with the error and counted; when the engine itself did not answer
-(``EngineUnreachable``: refused, reset, silent past its health deadline; not a request's own
-timeout), the producer stops with that error instead (a fleet replaces it, with an
-engine of its own). Groups that dynamic filters reject
-are counted per filter. On stop, unfinished groups are counted as abandoned, or, with
-``partial_rollout``, written to the ``partial`` stream, which the next producer resumes first.
+version of each generated span; how a weight update and a failed request play out is told in
+``WeightFollower`` and ``rollout.sampler`` (an engine that stops answering stops the producer: a
+fleet replaces it, with an engine of its own). Groups that dynamic filters reject are counted per
+filter. On stop, unfinished groups are counted as abandoned, or, with ``partial_rollout``, written
+to the ``partial`` stream, which the next producer resumes first.
 
 State (``state/producer.json``: the prompt supply's state, counters) is written with every
 segment, so a restarted producer continues where the last segment left off.
@@ -44,31 +48,31 @@ segment, so a restarted producer continues where the last segment left off.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
-from miles_core.engines.http import EngineTimeout, EngineUnreachable
+from miles_core.engines.base import RolloutEngine
+from miles_core.rollout.backlog import Backlog
 from miles_core.rollout.filters import GroupFilters
-from miles_core.rollout.generate import CustomGenerate, GenerateContext, PromptItem, run_custom_generate
-from miles_core.types import Group, Sample, SampleStatus
+from miles_core.rollout.generate import PromptItem
+from miles_core.rollout.sampler import ADAPTER_VERSIONS, EngineDoor, Generation, GroupWork, Sampler
+from miles_core.rollout.throughput import ProducerStats, ThroughputMeter
+from miles_core.types import Group, SampleStatus
 
 if TYPE_CHECKING:
-    from miles_core.config import RunConfig
+    from miles_core.config import FullyAsyncMode, RunConfig
     from miles_core.rollout.worker import ProducerLink
     from miles_core.storage.layout import RunLayout
-    from miles_core.storage.stream import SampleStream, StreamWriter
+    from miles_core.storage.stream import SampleStream
     from miles_core.storage.weights import WeightStore
 
 STATE_FILE = "state/producer.json"
-ADAPTER_VERSIONS = "adapter_versions"
-"""Metadata key of the version stamp: every adapter's version when the sample's group started."""
 PARTIAL_PRODUCER = "partial"
-_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 class PromptSupply(Protocol):
@@ -126,10 +130,6 @@ class SlotScheduler:
         elif before > 0 and self.in_flight == 0:
             self._idle_since = time.monotonic()
 
-    @property
-    def free(self) -> int:
-        return self.limit - self.in_flight
-
     async def acquire(self, n: int, timeout: float) -> bool:
         """Take ``n`` slots; False if they did not free up within ``timeout`` seconds."""
         if n > self.limit:
@@ -149,182 +149,82 @@ class SlotScheduler:
             self._changed.notify_all()
 
 
-class _InEngine:
-    """Counts the producer's calls in the engine; ``drained()`` waits until there are none."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._changed = asyncio.Condition()
-
-    async def __aenter__(self) -> None:
-        async with self._changed:
-            self.count += 1
-
-    async def __aexit__(self, *exc: object) -> None:
-        async with self._changed:
-            self.count -= 1
-            self._changed.notify_all()
-
-    async def drained(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.count == 0)
+# ------------------------------------------------------------------------------------- weights
 
 
-class _GaveUp(Exception):
-    """A sample's engine calls failed more times than ``generation_retries`` allows."""
+class WeightFollower:
+    """Loads each newer version that appears in ``weights`` (looked for every ``weight_poll_s``;
+    None: never) into the engine. The door stays closed from when a load begins until it is done;
+    in-flight requests finish under the old weights, or (partial rollout) are aborted then and
+    continue under the new ones."""
 
+    def __init__(self, weights: WeightStore | None, engine: RolloutEngine, door: EngineDoor,
+                 acfg: FullyAsyncMode, stats: ProducerStats) -> None:
+        self.store, self.engine, self.door, self.acfg, self.stats = weights, engine, door, acfg, stats
+        self.loading: asyncio.Task | None = None
+        """The load in progress: it runs beside the producer's loop, which keeps beating and obeying
+        the control plane meanwhile (a real model's load, after the generations in flight, can
+        outlast a heartbeat timeout)."""
+        self._polled_at = 0.0
 
-# ------------------------------------------------------------------------------------ samples
+    async def poll(self, spawn: Callable[[Awaitable[None]], asyncio.Task]) -> None:
+        """Start loading a newer version, as a task made by ``spawn``, if there is one."""
+        now = time.monotonic()
+        if now - self._polled_at < self.acfg.weight_poll_s:
+            return
+        self._polled_at = now
+        if self.store is not None and self.loading is None:
+            latest = await asyncio.to_thread(self.store.latest)
+            if latest is not None and latest > self.engine.weight_version:
+                self.door.close("weights")  # nothing new starts from now until the load is done
+                self.loading = spawn(self._load(latest))
 
-
-@dataclass
-class _Trajectory:
-    """One sample being generated, possibly over several spans (partial rollout)."""
-
-    submit_version: int
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    span_starts: list[int] = field(default_factory=list)
-    span_versions: list[int] = field(default_factory=list)
-    finish: str | None = None
-    error: str | None = None
-
-    def add(self, result: GenerateResult) -> None:
-        if result.output_ids or not self.span_starts:
-            if self.span_starts and not self.output_ids:  # an empty first span is replaced
-                self.span_starts, self.span_versions = [], []
-            self.span_starts.append(len(self.output_ids))
-            self.span_versions.append(result.weight_version)
-        self.output_ids += result.output_ids
-        self.text += result.text
-        self.logprobs += result.logprobs
-        self.finish = result.finish_reason
-
-    @classmethod
-    def of(cls, sample: Sample) -> _Trajectory:
-        """The state of a saved partial sample."""
-        return cls(
-            sample.submit_version, list(sample.response_ids), sample.response, list(sample.rollout_logprobs),
-            list(sample.span_starts), list(sample.span_versions),
-        )
-
-    def sample(self, item: PromptItem, group_index: int, sample_index: int, adapter: str | None = None) -> Sample:
-        status = SampleStatus.FAILED if self.error else _STATUS[self.finish or "abort"]
-        return Sample(
-            prompt=item.text,
-            prompt_ids=list(item.prompt_ids),
-            response_ids=self.output_ids,
-            response=self.text,
-            label=item.label,
-            loss_mask=[1] * len(self.output_ids),
-            rollout_logprobs=self.logprobs,
-            span_starts=self.span_starts or [0],
-            span_versions=self.span_versions or [self.submit_version],
-            submit_version=self.submit_version,
-            status=status,
-            group_index=group_index,
-            sample_index=sample_index,
-            prompt_index=item.prompt_index,
-            adapter=adapter,
-            error=self.error,
-            metadata=dict(item.metadata),
-        )
-
-
-@dataclass(eq=False)  # hashed by identity: works live in a set
-class _Work:
-    """One group being generated: its prompt, index, and each sample's trajectory or result."""
-
-    item: PromptItem
-    group_index: int
-    resumed: list[Sample | None]
-    """Samples of a resumed partial group: finished ones are kept, aborted ones are continued."""
-    route: PolicyRoute
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    finishing: asyncio.Task | None = None
-    """Gathers, scores and files the group once every sample has a task."""
-
-
-def _item_of(sample: Sample) -> PromptItem:
-    return PromptItem(sample.prompt, list(sample.prompt_ids), sample.label, sample.prompt_index, dict(sample.metadata))
+    async def _load(self, version: int) -> None:
+        t0 = time.monotonic()
+        try:
+            if self.acfg.partial_rollout:
+                await self.engine.abort()
+            await self.engine.update_weights(self.store.uri(version), version)
+        finally:
+            self.loading = None
+            self.door.reopen("weights")
+        self.stats.weight_updates += 1
+        self.stats.weight_update_seconds += time.monotonic() - t0
 
 
 # ------------------------------------------------------------------------------------- producer
 
 
-@dataclass
-class ProducerStats:
-    groups_started: int = 0
-    groups_finished: int = 0
-    groups_written: int = 0
-    segments_written: int = 0
-    samples_finished: int = 0
-    response_tokens: int = 0
-    """Tokens generated into finished samples (kept, filtered or failed alike): the rollout cost."""
-    samples_failed: int = 0
-    generation_errors: int = 0
-    groups_filtered: dict[str, int] = field(default_factory=dict)
-    groups_abandoned: int = 0
-    groups_saved_partial: int = 0
-    groups_resumed_partial: int = 0
-    weight_updates: int = 0
-    weight_update_seconds: float = 0.0
-    backpressure_seconds: float = 0.0
-    idle_seconds: float = 0.0
-    run_seconds: float = 0.0
-    peak_in_flight: int = 0
-
-
 class RolloutProducer:
     def __init__(
-        self, cfg: RunConfig, engine: RolloutEngine, prompts: PromptSupply,
-        reward: Callable[[list[Group]], Awaitable[Any]], stream: SampleStream, layout: RunLayout,
-        weights: WeightStore | None, sampling: SamplingParams, consumer: str | Callable[[], int] = "trainer",
-        custom_generate: CustomGenerate | None = None, tokenizer: Any = None, *,
-        routes: Sequence[PolicyRoute] | None = None, capacity: int | None = None,
-        link: ProducerLink, version_stamp: Callable[[], dict[str, int]] | None = None,
+        self, cfg: RunConfig, gen: Generation, prompts: PromptSupply, stream: SampleStream, layout: RunLayout,
+        weights: WeightStore | None, *, link: ProducerLink,
+        consumer: str | Callable[[], int | tuple[int, int]] = "trainer", routes: Sequence[PolicyRoute] | None = None,
+        capacity: int | None = None, version_stamp: Callable[[], dict[str, int]] | None = None,
         state_file: str = STATE_FILE, partial_stream: str = PARTIAL_PRODUCER,
     ) -> None:
-        self.cfg, self.acfg = cfg, cfg.mode
-        self.engine = engine
-        """The shared engine: ``abort`` and ``pause`` go to it (every route's engine is a view of it)."""
-        self.routes = list(routes) if routes is not None else [PolicyRoute(None, engine)]
+        self.cfg, self.acfg, self.n = cfg, cfg.mode, cfg.rollout.n_samples_per_prompt
+        self.engine, self.reward = gen.engine, gen.reward
+        self.routes = list(routes) if routes is not None else [PolicyRoute(None, gen.engine)]
         """New groups go to the routes in turn (round robin); a resumed partial group to its own."""
         if not self.routes:
             raise ValueError("RolloutProducer needs at least one route (routes=None: the engine itself)")
         self.version_stamp = version_stamp
         """Called when a group starts; its result goes to ``metadata["adapter_versions"]`` of each sample."""
-        self.prompts = prompts
-        self.reward = reward
-        """Scores groups in place (``score_groups`` with the run's reward, then post-processing)."""
-        self.stream = stream
-        self.layout = layout
-        self.weights = weights
-        """Where new weight versions appear (None: no polling; the routes' engines get theirs elsewhere)."""
-        self.sampling = sampling
-        self.consumer = consumer
-        """The reader whose durable cursor back-pressure counts from, or a function returning that
-        cursor (or the cursor and the groups used after it, as a reader's ``progress``)."""
-        self.custom_generate = custom_generate
-        """Makes each sample instead of one request (multi-turn, tool use); see rollout/generate.py."""
-        self.tokenizer = tokenizer
-        self.n = cfg.rollout.n_samples_per_prompt
-        self.capacity = _capacity(cfg, capacity)
-        """Groups the producer may be ahead of the consumer (in flight + unwritten + unconsumed)."""
+        self.prompts, self.layout, self.state_file = prompts, layout, state_file
         self.link = link
         """The run's control plane as this producer sees it: stop, pause and fence from storage (or
         the link's ``cancel`` event, in this process), heartbeats to it, the size of the fleet that
         shares the buffer bound."""
-        self.state_file = state_file
-        self.partial_stream = partial_stream
+        self.partial = stream.sibling(partial_stream)
         """The stream unfinished groups are saved to on stop (partial rollout), and resumed from."""
-        self.fleet_size = 1
-        """Live producers of the fleet this one is in (the trainer says, in ``fleet/ahead.json``):
-        each may hold its share of ``capacity`` ahead of the trainer, so the fleet holds at most
-        ``capacity`` whatever the delay of what they know of each other."""
         self.filters = GroupFilters(self.acfg.dynamic_filters)
         self.stats = ProducerStats()
+        self.backlog = Backlog(stream, consumer, _capacity(cfg, capacity), self.acfg, self.stats)
+        self.door = EngineDoor()
+        self._stop = threading.Event()
+        self.sampler = Sampler(gen, self.n, self.acfg, self.door, self._stop, self.stats)
+        self.weight_follower = WeightFollower(weights, gen.engine, self.door, self.acfg, self.stats)
         self._init_loop_state()
 
     def _init_loop_state(self) -> None:
@@ -332,73 +232,40 @@ class RolloutProducer:
         self._control_at = 0.0
         self._paused_for: list[str] = []
         self.scheduler: SlotScheduler | None = None
-        self._stop = threading.Event()
-        self._gate: asyncio.Event | None = None  # set: requests may be submitted
-        self._paused = False
-        self._in_engine: _InEngine | None = None
-        self._works: set[_Work] = set()
-        self._open: _Work | None = None  # sample granularity: the group whose samples are being started
-        self._queue: list[_Work] = []  # resumed partial groups, started before new prompts
-        self._finished: list[Group] = []
+        self._works: set[GroupWork] = set()
+        self._open: GroupWork | None = None  # sample granularity: the group whose samples are being started
+        self._queue: list[GroupWork] = []  # resumed partial groups, started before new prompts
         self._unfinished: list[Group] = []  # groups cut short by stop
-        self._oldest_finished_at: float | None = None
-        self._segment_groups: dict[int, int] = {}  # offset -> groups in it (for back-pressure)
-        self._used_after = 0  # groups the consumer used in those segments, as it last said
         self._routed = 0  # groups started on a route so far (round robin)
         self._error: BaseException | None = None
-        self._seen_weights_at = 0.0
-        self._loading: asyncio.Task | None = None
-        """The weight load in progress: it runs beside the loop, which keeps beating and obeying
-        the control plane meanwhile (a real model's load, after the generations in flight, can
-        outlast a heartbeat timeout)."""
         self._pausing: asyncio.Task | None = None
-        """The drain of a pause a holder asked for, beside the loop for the same reason."""
-        self._writer: StreamWriter | None = None
+        """The drain of a pause a holder asked for, beside the loop (which keeps beating meanwhile:
+        generations in flight can take longer than a heartbeat timeout to finish)."""
         self.abandoned_groups: dict[int, int] = {}
         """Group index -> prompt row of each group cut short by stop and not saved as partial (a
         fleet member gives them back to the prompt pool)."""
-
-    # ------------------------------------------------------------------------------ pause
-
-    async def pause(self) -> None:
-        """Stop submitting and wait until no request is in the engine (evaluation can borrow it)."""
-        self._paused = True
-        self._gate.clear()
-        await self._in_engine.drained()
-
-    async def resume(self) -> None:
-        self._paused = False
-        if self._loading is None:  # else the load opens the gate when it is done
-            self._gate.set()
 
     # --------------------------------------------------------------------------------- the loop
 
     async def run(self) -> ProducerStats:
         """Produce until the control plane says stop. Raises what broke the producer (after writing its state)."""
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._in_engine = _InEngine()
         self.scheduler = SlotScheduler(self.acfg.max_concurrent_samples)
         started = time.monotonic()
         self._load_state()
-        self._writer = self.stream.writer(max_pending=2)
-        self._partial = self.stream.sibling(self.partial_stream)
         await asyncio.to_thread(self._resume_partial_groups)
         try:
             while not self._stop.is_set():
                 self._raise_if_failed()
                 await self._poll_control()
-                await self._poll_weights()
+                await self.weight_follower.poll(self._spawn)
                 await self._flush(force=False)
-                if not self._gate.is_set():  # paused, or loading weights: on as soon as it opens
-                    try:
-                        await asyncio.wait_for(self._gate.wait(), self.acfg.weight_poll_s)
-                    except asyncio.TimeoutError:
-                        pass
+                if not self.door.is_open():  # paused, or loading weights: on as soon as it opens
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.door.wait_open(), self.acfg.weight_poll_s)
                     continue
-                if self._outstanding() >= self.share:
+                if self._outstanding() >= self.backlog.share:
                     await self._flush(force=True)  # at the bound: nothing more comes until the trainer moves
-                    if not await self._wait_for_consumer():
+                    if not await self.backlog.wait_for_room(len(self._works)):
                         continue
                 await self._start_next()
             await self._settle_on_stop()
@@ -408,21 +275,25 @@ class RolloutProducer:
             await asyncio.to_thread(self._save_state, "failed", _describe(e))
             raise
         finally:
-            self._update_clock(started)
+            self.stats.run_seconds = time.monotonic() - started
+            self.stats_now()  # the idle time and peak in flight of the whole run
             for work in list(self._works):
                 for task in work.tasks:
                     task.cancel()
-            for task in (self._loading, self._pausing):
+            for task in (self.weight_follower.loading, self._pausing):
                 if task is not None:
                     task.cancel()
-            await asyncio.to_thread(self._writer.close)
+            await asyncio.to_thread(self.backlog.close)
         await asyncio.to_thread(self._save_state, "stopped")
         return self.stats
 
-    def _update_clock(self, started: float) -> None:
-        self.stats.run_seconds = time.monotonic() - started
-        self.stats.idle_seconds = self.scheduler.idle_seconds()
-        self.stats.peak_in_flight = self.scheduler.peak
+    def _outstanding(self) -> int:
+        """Groups ahead of the consumer: in flight, and the backlog's (unwritten or unconsumed)."""
+        return len(self._works) + self.backlog.ahead()
+
+    async def _flush(self, force: bool) -> None:
+        if await self.backlog.flush(force):
+            await asyncio.to_thread(self._save_state, "running")
 
     async def _start_next(self) -> None:
         """Take slots for the next unit (a group, or one sample) and start it."""
@@ -431,23 +302,23 @@ class RolloutProducer:
             return
         if unit == self.n:
             work = await self._new_work()
-            work.tasks = [self._spawn(self._sample(work, j), release=1) for j in range(self.n)]
+            work.tasks = [self._spawn(self.sampler.sample(work, j), release=1) for j in range(self.n)]
             work.finishing = self._spawn(self._finish_group(work))
             return
         if self._open is None:
             self._open = await self._new_work()
         work = self._open
-        work.tasks.append(self._spawn(self._sample(work, len(work.tasks)), release=1))
+        work.tasks.append(self._spawn(self.sampler.sample(work, len(work.tasks)), release=1))
         if len(work.tasks) == self.n:
             self._open = None
             work.finishing = self._spawn(self._finish_group(work))
 
-    async def _new_work(self) -> _Work:
+    async def _new_work(self) -> GroupWork:
         if self._queue:
             work = self._queue.pop(0)
         else:
             item, index = await asyncio.to_thread(self.prompts.take)
-            work = _Work(item, index, [None] * self.n, self._next_route())
+            work = GroupWork(item, index, [None] * self.n, self._next_route())
         if self.version_stamp is not None and ADAPTER_VERSIONS not in work.item.metadata:
             # a resumed partial group keeps the stamp of its first start (its oldest spans)
             stamp = {name: int(v) for name, v in self.version_stamp().items()}
@@ -455,11 +326,6 @@ class RolloutProducer:
         self._works.add(work)
         self.stats.groups_started += 1
         return work
-
-    @property
-    def share(self) -> int:
-        """The groups this producer may hold ahead of the trainer: its share of ``capacity``."""
-        return max(1, -(-self.capacity // max(1, self.fleet_size)))
 
     def _next_route(self) -> PolicyRoute:
         """Round robin over the routes, by the groups this producer started (group indices of
@@ -490,92 +356,8 @@ class RolloutProducer:
             if release:
                 await self.scheduler.release(release)
 
-    async def _sample(self, work: _Work, j: int) -> Sample:
-        """Generate sample ``j`` of ``work``: retries, spans under each weight version, abort."""
-        resumed = work.resumed[j]
-        if resumed is not None and resumed.status is not SampleStatus.ABORTED:
-            return resumed
-        if self.custom_generate is not None:
-            return await self._custom_sample(work, j)
-        engine = work.route.engine
-        traj = _Trajectory.of(resumed) if resumed is not None else _Trajectory(engine.weight_version)
-        while True:
-            remaining = self.sampling.max_new_tokens - len(traj.output_ids)
-            request = GenerateRequest(
-                list(work.item.prompt_ids) + traj.output_ids,
-                replace(self.sampling, max_new_tokens=remaining, seed=self._seed(work.group_index, j, traj)),
-                rid=f"g{work.group_index}-s{j}",
-            )
-            try:
-                results = await self._in_engine_with_retries(lambda: engine.generate([request]), f"request {request.rid}")
-            except _GaveUp as e:
-                traj.error = f"generation {e}"
-                break
-            if results is None:  # stopped before it was submitted: the sample is unfinished
-                traj.finish = "abort"
-                break
-            (result,) = results
-            traj.add(result)
-            continuing = result.finish_reason == "abort" and self.acfg.partial_rollout and not self._stop.is_set()
-            if not continuing or remaining - len(result.output_ids) <= 0:
-                break
-        return traj.sample(work.item, work.group_index, j, work.route.name)
-
-    async def _custom_sample(self, work: _Work, j: int) -> Sample:
-        """A sample from the custom generate function, with the same retries and counting."""
-        traj = _Trajectory(work.route.engine.weight_version)
-        sampling = replace(self.sampling, seed=self._seed(work.group_index, j, traj))
-        ctx = GenerateContext(work.route.engine, self.tokenizer, sampling, work.group_index, j)
-        try:
-            sample = await self._in_engine_with_retries(
-                lambda: run_custom_generate(self.custom_generate, ctx, work.item), f"custom generate of g{work.group_index}-s{j}")
-        except _GaveUp as e:
-            traj.error = f"custom generate {e}"
-            return traj.sample(work.item, work.group_index, j, work.route.name)
-        if sample is None:
-            traj.finish = "abort"
-            return traj.sample(work.item, work.group_index, j, work.route.name)
-        sample.adapter = work.route.name
-        if ADAPTER_VERSIONS in work.item.metadata:  # a sample built without ctx.new_sample
-            sample.metadata.setdefault(ADAPTER_VERSIONS, work.item.metadata[ADAPTER_VERSIONS])
-        return sample
-
-    async def _in_engine_with_retries(self, call: Callable[[], Awaitable[Any]], what: str) -> Any:
-        """``await call()`` once the gate is open, counted in the engine; a failure is retried
-        ``generation_retries`` times with back-off, then ``_GaveUp`` (or ``EngineUnreachable``
-        when the engine itself stopped answering: the producer stops). None: stopped first."""
-        attempts = 0
-        while True:
-            await self._gate.wait()
-            if self._stop.is_set():  # never submit after stop
-                return None
-            try:
-                async with self._in_engine:
-                    return await call()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the engine failed this call: retry, then count it
-                attempts += 1
-                self.stats.generation_errors += 1
-                if attempts > self.acfg.generation_retries:
-                    if isinstance(e, EngineUnreachable) and not isinstance(e, EngineTimeout):  # the engine is gone
-                        raise EngineUnreachable(f"rollout producer: its engine did not answer {what} "
-                                                f"{attempts} times; last: {e}") from e
-                    raise _GaveUp(f"failed {attempts} times; last: {type(e).__name__}: {e}") from e
-            await asyncio.sleep(min(0.1 * 2 ** (attempts - 1), 2.0))
-
-    def _seed(self, group_index: int, j: int, traj: _Trajectory) -> int | None:
-        """A per-request seed (reproducible runs) when the sampling params carry one."""
-        if self.sampling.seed is None:
-            return None
-        return self.sampling.seed + (group_index * self.n + j) * 1_009 + len(traj.output_ids)
-
-    async def _unstarted(self, work: _Work, j: int) -> Sample:
-        """A sample the producer never submitted (stop came first): aborted, with no output."""
-        traj = _Trajectory(work.route.engine.weight_version, finish="abort")
-        return traj.sample(work.item, work.group_index, j, work.route.name)
-
-    async def _finish_group(self, work: _Work) -> None:
+    async def _finish_group(self, work: GroupWork) -> None:
+        """Gather the group's samples, score it, and hand it to the backlog unless a filter drops it."""
         try:
             group = Group(list(await asyncio.gather(*work.tasks)))
             if self._stop.is_set() and any(s.status is SampleStatus.ABORTED for s in group.samples):
@@ -591,70 +373,11 @@ class RolloutProducer:
                 self.stats.groups_filtered = dict(self.filters.dropped)
                 await asyncio.to_thread(self.prompts.filtered, group, dropped_by)
                 return
-            if not self._finished:
-                self._oldest_finished_at = time.monotonic()
-            self._finished.append(group)
+            self.backlog.add(group)
         finally:
             self._works.discard(work)
 
-    # ------------------------------------------------------------------------ stream and state
-
-    async def _flush(self, force: bool) -> None:
-        """Write finished groups as one segment when enough are ready, or they waited long enough."""
-        if not self._finished:
-            return
-        waited = time.monotonic() - (self._oldest_finished_at or time.monotonic())
-        if not force and len(self._finished) < self.acfg.segment_max_groups and waited < self.acfg.segment_max_wait_s:
-            return
-        groups, self._finished = sorted(self._finished, key=lambda g: g.group_index), []
-        size = self.acfg.segment_max_groups
-        for start in range(0, len(groups), size):
-            chunk = groups[start : start + size]
-            offset = await asyncio.to_thread(self._writer.append, chunk)
-            self._segment_groups[offset] = len(chunk)
-            self.stats.groups_written += len(chunk)
-            self.stats.segments_written += 1
-        await asyncio.to_thread(self._save_state, "running")
-
-    def _outstanding(self) -> int:
-        """Groups ahead of the consumer: in flight, finished but unwritten, written but unconsumed
-        (the consumer's groups used in segments it has not finished with do not count)."""
-        return len(self._works) + len(self._finished) + sum(self._segment_groups.values()) - self._used_after
-
-    async def _wait_for_consumer(self) -> bool:
-        """Back-pressure: wait until the consumer's cursor frees room; False if it did not (yet)."""
-        t0 = time.monotonic()
-        cursor, self._used_after = await asyncio.to_thread(self._consumer_progress)
-        for offset in [o for o in self._segment_groups if o <= cursor]:
-            del self._segment_groups[offset]
-        if self._outstanding() < self.share:
-            return True
-        # at the bound: look at the cursor again soon; a member of a large fleet less often
-        await asyncio.sleep(min(max(0.05, self.acfg.control_poll_s), 0.05 * self.fleet_size))
-        self.stats.backpressure_seconds += time.monotonic() - t0
-        return False
-
-    def _consumer_cursor(self) -> int:
-        """The durable cursor back-pressure counts from (blocking: it reads storage)."""
-        return self._consumer_progress()[0]
-
-    def _consumer_progress(self) -> tuple[int, int]:
-        """The durable cursor, and the groups the consumer used after it (blocking: reads storage)."""
-        if callable(self.consumer):  # its cursor, or (cursor, groups used after it)
-            found = self.consumer()
-            return (int(found[0]), int(found[1])) if isinstance(found, tuple) else (int(found), 0)
-        return self.stream.reader(self.consumer).progress()
-
-    async def _poll_weights(self) -> None:
-        now = time.monotonic()
-        if now - self._seen_weights_at < self.acfg.weight_poll_s:
-            return
-        self._seen_weights_at = now
-        if self.weights is not None and self._loading is None:
-            latest = await asyncio.to_thread(self.weights.latest)
-            if latest is not None and latest > self.engine.weight_version:
-                self._gate.clear()  # nothing new starts from now until the load is done
-                self._loading = self._spawn(self._update_weights(latest))
+    # --------------------------------------------------------------- weights, control plane, pause
 
     async def _poll_control(self) -> None:
         """Heartbeat, and obey stop, pause and fence from the run folder."""
@@ -663,21 +386,21 @@ class RolloutProducer:
         self._control_at = time.monotonic()
         signal = await asyncio.to_thread(self.link.poll, self)
         if signal.fleet_size is not None:
-            self.fleet_size = signal.fleet_size
+            self.backlog.fleet_size = signal.fleet_size
         if signal.stop:
             self._stop.set()
         if signal.pause_holders and not self._paused_for and self._pausing is None:
-            # drained beside the loop, which keeps beating meanwhile (generations in flight can take
-            # longer than a heartbeat timeout to finish)
             self._pausing = self._spawn(self._pause_for(list(signal.pause_holders)))
         elif not signal.pause_holders and self._paused_for:
             self._paused_for = []
-            await self.resume()
+            self.door.reopen("pause")
             await asyncio.to_thread(self.link.poll, self, True)
 
     async def _pause_for(self, holders: list[str]) -> None:
+        """Stop submitting and wait until no request is in the engine (evaluation can borrow it)."""
         try:
-            await self.pause()
+            self.door.close("pause")
+            await self.door.drained()
             self._paused_for = holders
             await asyncio.to_thread(self.link.poll, self, True)  # say so now: the holder waits for it
         finally:
@@ -685,81 +408,45 @@ class RolloutProducer:
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """What this producer says of itself in its heartbeat."""
-        from dataclasses import asdict
-
-        if self.scheduler is not None:
-            self.stats.idle_seconds = self.scheduler.idle_seconds()
-            self.stats.peak_in_flight = self.scheduler.peak
         version = self.engine.weight_version
         return {
             "status": "paused" if self._paused_for else "running",
             "weight_version": int(version) if isinstance(version, int) else 0,
             "outstanding": self._outstanding(),
-            "in_engine": self._in_engine.count if self._in_engine is not None else 0,
+            "in_engine": self.door.count,
             "paused_for": list(self._paused_for),
-            "stats": asdict(self.stats),
+            "stats": asdict(self.stats_now()),
         }
 
-    async def _update_weights(self, version: int) -> None:
-        """Load ``version``: in-flight requests finish under the old weights, or (partial rollout)
-        are aborted now and continue under the new ones."""
-        t0 = time.monotonic()
-        self._gate.clear()
-        try:
-            if self.acfg.partial_rollout:
-                await self.engine.abort()
-            await self.engine.update_weights(self.weights.uri(version), version)
-        finally:
-            self._loading = None
-            if not self._paused:
-                self._gate.set()
-        self.stats.weight_updates += 1
-        self.stats.weight_update_seconds += time.monotonic() - t0
+    def stats_now(self) -> ProducerStats:
+        """The counters, with the time idle and the peak in flight up to now."""
+        if self.scheduler is not None:
+            self.stats.idle_seconds = self.scheduler.idle_seconds()
+            self.stats.peak_in_flight = self.scheduler.peak
+        return self.stats
 
-    def _resume_partial_groups(self) -> None:
-        """Unfinished groups saved at a stop are started before any new prompt: those in this
-        producer's own partial stream, and those it adopted from producers of an earlier start
-        (``prompts.adopted()``: a fleet member's or a multi-LoRA run's, from the prompt log)."""
-        from miles_core.types import regroup
-
-        reader = self._partial.reader("producer")
-        segments = reader.read()
-        groups = [g for segment in segments for g in regroup(segment.samples())]
-        for source, indices in self.prompts.adopted():
-            stream = self.stream.sibling(f"partial-{source}")
-            groups += [g for seg in stream.read() for g in regroup(seg.samples()) if g.group_index in indices]
-        for group in groups:
-            by_index: list[Sample | None] = [None] * self.n
-            for s in group.samples:
-                if s.sample_index < self.n:
-                    by_index[s.sample_index] = s
-            self._queue.append(_Work(_item_of(group.samples[0]), group.group_index, by_index, self._route_of(group)))
-            self.stats.groups_resumed_partial += 1
-        if segments:
-            reader.commit(segments[-1].offset)
+    # ----------------------------------------------------------------- state, restarts and stop
 
     def _load_state(self) -> None:
         state = self.layout.read_json(self.state_file) or {}
         if "prompts" in state:
             self.prompts.load_state(state["prompts"])
-        existing = self.stream.offsets()
-        if existing:  # written before a restart and not consumed yet: they count toward the bound
-            cursor = self._consumer_cursor()
-            for offset in existing:
-                if offset > cursor:
-                    segment = self.stream.read_segment(offset)
-                    self._segment_groups[offset] = len(set(segment.table.column("group_index").to_pylist()))
+        self.backlog.open()
+
+    def _resume_partial_groups(self) -> None:
+        """Unfinished groups saved at a stop are started before any new prompt: those in this
+        producer's own partial stream, and those it adopted from producers of an earlier start
+        (``prompts.adopted()``: a fleet member's or a multi-LoRA run's, from the prompt log)."""
+        groups = _saved_partial_groups(self.partial, self.prompts.adopted())
+        self._queue += [GroupWork.resume(group, self.n, self._route_of(group)) for group in groups]
+        self.stats.groups_resumed_partial += len(groups)
 
     def _save_state(self, status: str, error: str | None = None) -> None:
-        from dataclasses import asdict
-
-        if self.scheduler is not None:
-            self.stats.idle_seconds = self.scheduler.idle_seconds()
         self.layout.write_json(self.state_file, {
             "status": status,
             "error": error,
             "prompts": self.prompts.state(),
-            "stats": asdict(self.stats),
+            "stats": asdict(self.stats_now()),
             "in_flight_samples": self.scheduler.in_flight if self.scheduler else 0,
             "outstanding_groups": self._outstanding(),
             "engine_version": self._versions(),
@@ -774,10 +461,10 @@ class RolloutProducer:
 
     async def _settle_on_stop(self) -> None:
         """Stop: abort what is in flight (saved as partial, or counted as abandoned)."""
-        self._gate.set()  # let waiting samples see the stop
+        self.door.open_for_stop()  # let waiting samples see the stop
         if self._open is not None:  # sample granularity: a group whose samples are not all started
             work = self._open
-            work.tasks += [self._spawn(self._unstarted(work, j)) for j in range(len(work.tasks), self.n)]
+            work.tasks += [self._spawn(self.sampler.unstarted(work, j)) for j in range(len(work.tasks), self.n)]
             work.finishing = self._spawn(self._finish_group(work))
             self._open = None
         await self.engine.abort()
@@ -786,7 +473,7 @@ class RolloutProducer:
             await asyncio.wait(finishing, timeout=30)
         self._raise_if_failed()
         if self._unfinished and self.acfg.partial_rollout:  # the next producer resumes them first
-            await asyncio.to_thread(self._partial.append, sorted(self._unfinished, key=lambda g: g.group_index))
+            await asyncio.to_thread(self.partial.append, sorted(self._unfinished, key=lambda g: g.group_index))
             self.stats.groups_saved_partial += len(self._unfinished)
         else:
             self.stats.groups_abandoned += len(self._unfinished)
@@ -809,34 +496,37 @@ def _capacity(cfg: RunConfig, capacity: int | None) -> int:
     return capacity
 
 
+def _saved_partial_groups(partial: SampleStream, adopted: list[tuple[str, set[int]]]) -> list[Group]:
+    """The groups in ``partial`` (read once: its reader commits them) and those ``adopted`` from the
+    partial streams of other producers (their names and group indices)."""
+    from miles_core.types import regroup
+
+    reader = partial.reader("producer")
+    segments = reader.read()
+    groups = [g for segment in segments for g in regroup(segment.samples())]
+    for source, indices in adopted:
+        stream = partial.sibling(f"partial-{source}")
+        groups += [g for seg in stream.read() for g in regroup(seg.samples()) if g.group_index in indices]
+    if segments:
+        reader.commit(segments[-1].offset)
+    return groups
+
+
 def _describe(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
 class ProducerMeter:
-    """Throughput and idle share of an in-process producer since the last call (one meter per
-    trainer that reports them; a fleet's trainer reads heartbeats instead: ``Fleet.metrics``)."""
+    """The producer metrics of a producer in the trainer's process, since the last call (one meter
+    per trainer that reports them; a fleet's trainer reads heartbeats instead: ``Fleet.metrics``)."""
 
     def __init__(self, producer: Callable[[], RolloutProducer | None]) -> None:
         self.producer = producer
-        self._seen = (time.monotonic(), 0, 0.0)
+        self._meter = ThroughputMeter(from_zero=True)
 
     def __call__(self) -> dict[str, float]:
         producer = self.producer()
         if producer is None:
             return {}
-        stats, scheduler = producer.stats, producer.scheduler
-        now = time.monotonic()
-        idle = scheduler.idle_seconds() if scheduler is not None else 0.0
-        t_prev, samples_prev, idle_prev = self._seen
-        self._seen = (now, stats.samples_finished, idle)
-        span = max(now - t_prev, 1e-9)
-        return {
-            "async/producer_throughput_qps": (stats.samples_finished - samples_prev) / span,
-            "async/producer_idle_fraction": min(1.0, (idle - idle_prev) / span),
-            "async/in_flight_samples": float(scheduler.in_flight if scheduler is not None else 0),
-            "async/weight_updates": float(stats.weight_updates),
-            "async/groups_filtered": float(sum(stats.groups_filtered.values())),
-            "async/samples_failed": float(stats.samples_failed),
-            "async/generation_errors": float(stats.generation_errors),
-        }
+        in_flight = producer.scheduler.in_flight if producer.scheduler is not None else 0
+        return self._meter([asdict(producer.stats_now())], in_flight)

@@ -39,6 +39,7 @@ from miles_core.rollout.fleet import (
     written_groups,
 )
 from miles_core.ledger import used_groups
+from miles_core.rollout.throughput import ThroughputMeter
 from miles_core.types import Group
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class Fleet:
         self.deaths: list[str] = []
         self._streams: dict[str, SampleStream] = {}
         self._next = 0
-        self._seen: tuple[float, int, float] | None = None
+        self._meter = ThroughputMeter()
         self._stopped = False
         self._lock = threading.Lock()  # the monitor's state: the watcher thread and the trainer's
         self._died: list = []
@@ -247,23 +248,10 @@ class Fleet:
     def metrics(self) -> dict[str, float]:
         """Fleet throughput and idle share since the last call (from the producers' heartbeats)."""
         with self._lock:
-            beats, alive = self.monitor.heartbeats(), len(self.monitor.alive)
+            beats, alive = self.monitor.heartbeats(), max(len(self.monitor.alive), 1)
         stats = [hb.stats for hb in beats.values() if hb.stats]
-        now = time.monotonic()
-        finished = sum(s.get("samples_finished", 0) for s in stats)
-        idle = sum(s.get("idle_seconds", 0.0) for s in stats)
-        prev = self._seen or (now, finished, idle)
-        self._seen = (now, finished, idle)
-        span = max(now - prev[0], 1e-9)
-        alive = max(alive, 1)
         return {
-            "async/producer_throughput_qps": (finished - prev[1]) / span,
-            "async/producer_idle_fraction": min(1.0, max(0.0, (idle - prev[2]) / span / alive)),
-            "async/in_flight_samples": float(sum(hb.in_engine for hb in beats.values())),
-            "async/weight_updates": float(sum(s.get("weight_updates", 0) for s in stats)),
-            "async/groups_filtered": float(sum(sum(s.get("groups_filtered", {}).values()) for s in stats)),
-            "async/samples_failed": float(sum(s.get("samples_failed", 0) for s in stats)),
-            "async/generation_errors": float(sum(s.get("generation_errors", 0) for s in stats)),
+            **self._meter(stats, sum(hb.in_engine for hb in beats.values()), alive),
             "async/producers_alive": float(alive),
             "async/producer_deaths": float(len(self.deaths)),
         }

@@ -173,12 +173,11 @@ class RolloutSide:
         from ``prompts``, writing ``stream``, loading new versions from ``weights`` (None: never);
         ``options`` are ``RolloutProducer``'s keyword arguments (routes, capacity, link, ...)."""
         from miles_core.rollout.producer import RolloutProducer
+        from miles_core.rollout.sampler import Generation
 
-        return RolloutProducer(
-            self.cfg, self.engine, prompts, self.score, stream, self.files.layout, weights,
-            replace(self.sampling, seed=self.cfg.seed * 1_000_003), custom_generate=self.custom_generate,
-            tokenizer=self.tokenizer, **options,
-        )
+        gen = Generation(self.engine, replace(self.sampling, seed=self.cfg.seed * 1_000_003), self.score,
+                         self.custom_generate, self.tokenizer)
+        return RolloutProducer(self.cfg, gen, prompts, stream, self.files.layout, weights, **options)
 
     def close(self) -> None:
         if is_built(self, "engine"):

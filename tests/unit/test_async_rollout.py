@@ -26,6 +26,7 @@ from miles_core.rollout.consumer import GroupFeed
 from miles_core.rollout.fleet import ControlPlane, Heartbeat, PromptLog, recycle_to, stream_name
 from miles_core.rollout.generate import PromptItem
 from miles_core.rollout.producer import RolloutProducer
+from miles_core.rollout.sampler import Generation
 from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
 from miles_core.storage import RunLayout, SampleStream, WeightStore
 from miles_core.types import Group, Sample, SampleStatus
@@ -101,9 +102,11 @@ class Harness:
                      **options: Any) -> RolloutProducer:
         supply = supply or self.supply()
         link = link or ProducerLink(self.control, Heartbeat("p0", "running"), heartbeat_s=0.02)
-        return RolloutProducer(self.cfg, self.engine, supply, score, self.stream, self.layout, self.weights,
-                               self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
+        return RolloutProducer(self.cfg, self.generation(), supply, self.stream, self.layout, self.weights,
                                link=link, **options)
+
+    def generation(self) -> Generation:
+        return Generation(self.engine, self.sampling, score, self.custom_generate, CharTokenizer())
 
     def supply(self, producer: str = "p0") -> ClaimedPrompts:
         return ClaimedPrompts(self.log, producer, self.prompts.render, self.block)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from doubles.scripted_engine import ScriptedEngine
-from test_async_rollout import CharTokenizer, Harness, score
+from test_async_rollout import Harness
 
 from miles_core.config import FullyAsyncMode
 from miles_core.engines.base import GenerateRequest
@@ -38,8 +38,7 @@ class MultiHarness(Harness):
 
     def new_producer(self) -> RolloutProducer:
         # weights=None: no weight polling, the adapters are pushed to the engine by the test
-        return RolloutProducer(self.cfg, self.engine, self.supply(), score, self.stream, self.layout, None,
-                               self.sampling, custom_generate=self.custom_generate, tokenizer=CharTokenizer(),
+        return RolloutProducer(self.cfg, self.generation(), self.supply(), self.stream, self.layout, None,
                                link=ProducerLink(self.control, Heartbeat("p0", "running"), heartbeat_s=0.02),
                                **self.producer_kw)
 
