@@ -54,7 +54,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import torch
 from torch import Tensor
 
@@ -63,7 +62,7 @@ from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
 from miles_core.dtypes import torch_dtype
 from miles_core.train.batch import TokenBatch
 from miles_core.train.losses import reducer_denominator, token_logprobs
-from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher, _eval_mode, save_torch
+from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher, _eval_mode, checkpoint_storage, save_torch
 
 if TYPE_CHECKING:
     from miles_core.config import LoraConfig
@@ -344,10 +343,10 @@ class DeepSpeedTrainer(TorchTrainer):
         storage call waits out an outage as run files do (``storage.max_outage_s``)."""
         import torch.distributed as dist
 
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        shards = _shard_folder(path)
-        if self.is_main and self._io(fs, shards, lambda: fs.exists(shards)):
-            self._io(fs, shards, lambda: fs.rm(shards, recursive=True))  # a stale save at the same URI
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
+        fs, shards = storage.fs, _shard_folder(path)
+        if self.is_main and storage.exists(shards):
+            storage.call(lambda: fs.rm(shards, recursive=True), shards)  # a stale save at the same URI
         dist.barrier()
         with tempfile.TemporaryDirectory(prefix="miles-ds-save-") as tmp:
             self.engine.save_checkpoint(
@@ -355,30 +354,22 @@ class DeepSpeedTrainer(TorchTrainer):
                 exclude_frozen_parameters=self.lora is not None,  # LoRA: the base loads from model_dir
             )
             local = Path(tmp) / _ENGINE_TAG
-            self._io(fs, shards, lambda: fs.makedirs(shards, exist_ok=True))
+            storage.call(lambda: fs.makedirs(shards, exist_ok=True), shards)
             for file in sorted(local.iterdir()):
                 target = posixpath.join(shards, file.name)
-                self._io(fs, target, lambda: fs.put_file(str(file), target))
+                storage.call(lambda: fs.put_file(str(file), target), target)
         rng = [None] * self.world_size
         dist.all_gather_object(rng, self._rng_state())
         dist.barrier()  # every shard is written before the marker
         if self.is_main:
             state = {"version": self._version, "shuffle_rng": self._generator.get_state(), "rank_rng": rng,
                      "world_size": self.world_size, "zero_stage": self.zero_stage, "lora": self.lora is not None}
-            self._io(fs, path, lambda: save_torch(fs, path, state))
+            storage.call(lambda: save_torch(fs, path, state), path)
         dist.barrier()
 
-    def _io(self, fs, path: str, fn):
-        """``fn()``, retried on transient storage errors for the run's outage window."""
-        from miles_core.storage.fs import to_url, with_retries
-
-        return with_retries(fn, to_url(fs, path), fs, self._retry)
-
     def load(self, uri: str) -> None:
-        from miles_core.storage.fs import read_bytes
-
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        data = self._io(fs, path, lambda: read_bytes(fs, path))
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
+        fs, data = storage.fs, storage.read(path)
         if data is None:
             raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -393,8 +384,8 @@ class DeepSpeedTrainer(TorchTrainer):
         with tempfile.TemporaryDirectory(prefix="miles-ds-load-") as tmp:
             local = Path(tmp) / _ENGINE_TAG
             local.mkdir()
-            for remote in self._io(fs, shards, lambda: fs.ls(shards, detail=False)):
-                self._io(fs, remote, lambda: fs.get_file(remote, str(local / posixpath.basename(remote))))
+            for remote in storage.call(lambda: fs.ls(shards, detail=False), shards):
+                storage.call(lambda: fs.get_file(remote, str(local / posixpath.basename(remote))), remote)
             loaded, _ = self.engine.load_checkpoint(
                 tmp, tag=_ENGINE_TAG, load_module_strict=self.lora is None, load_optimizer_states=True,
                 load_lr_scheduler_states=False,

@@ -68,7 +68,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import fsspec
 import torch
 from torch import Tensor
 
@@ -498,32 +497,32 @@ class TorchTrainer:
     def save(self, uri: str) -> None:
         """torch.save of ``state_dict()`` to ``uri``, atomically (``save_torch``); transient storage
         errors are retried as the weight store's are (``storage.max_outage_s``)."""
-        from miles_core.storage.fs import with_retries
-
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
         state = self.state_dict()
-        with_retries(lambda: save_torch(fs, path, state), uri, fs, self._retry)
+        storage.call(lambda: save_torch(storage.fs, path, state), path)
 
     def load(self, uri: str) -> None:
-        from miles_core.storage.fs import is_local, read_bytes, with_retries
+        from miles_core.storage.fs import is_local
 
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        if is_local(fs):  # read from the file itself, not from a copy of its bytes
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
+        if is_local(storage.fs):  # read from the file itself, not from a copy of its bytes
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
             state = torch.load(path, map_location=self.device, weights_only=True)
         else:
-            data = with_retries(lambda: read_bytes(fs, path), uri, fs, self._retry)
+            data = storage.read(path)
             if data is None:
                 raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
             state = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
         self.load_state_dict(state)
 
-    @property
-    def _retry(self):
-        from miles_core.storage.fs import DEFAULT_RETRY
 
-        return getattr(self.weight_store, "retry", DEFAULT_RETRY)
+def checkpoint_storage(uri: str, storage_options: dict[str, Any], weight_store: WeightPublisher):
+    """The filesystem of checkpoint ``uri`` behind the weight store's retry policy (a run's:
+    ``storage.max_outage_s``), and the checkpoint's path in it."""
+    from miles_core.storage.fs import DEFAULT_RETRY, RetryingFS
+
+    return RetryingFS.open(uri, storage_options, getattr(weight_store, "retry", DEFAULT_RETRY))
 
 
 def _wrap_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:
