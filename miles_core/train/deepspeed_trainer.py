@@ -43,7 +43,6 @@ Every public method is collective: all ranks call it, in the same order (``launc
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import posixpath
@@ -52,20 +51,17 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles_core import processes
 from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
-from miles_core.dtypes import torch_dtype
 from miles_core.train.batch import TokenBatch
-from miles_core.train.losses import reducer_denominator, token_logprobs
-from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher, _eval_mode, checkpoint_storage, save_torch
-
-if TYPE_CHECKING:
-    from miles_core.config import LoraConfig
+from miles_core.train.checkpoint import checkpoint_storage, load_torch, save_torch
+from miles_core.train.losses import token_logprobs
+from miles_core.train.torch_trainer import TorchTrainer, _eval_mode
 
 _ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ENGINE_TAG = "engine"  # DeepSpeed's checkpoint tag inside the sibling folder
@@ -154,24 +150,15 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeepSpeedTrainer(TorchTrainer):
-    def __init__(
-        self,
-        model_dir: str,
-        train_cfg: TrainConfig,
-        weight_store: WeightPublisher,
-        dtype: str = "float32",
-        initial_version: int = 0,
-        storage_options: dict[str, Any] | None = None,
-        lora: LoraConfig | None = None,
-    ) -> None:
+    def __init__(self, model_dir: str, train_cfg: TrainConfig, *args: Any, **kwargs: Any) -> None:
+        """``TorchTrainer``'s arguments; ``train_cfg.backend`` is a ``DeepSpeedTrainerConfig``."""
         backend = train_cfg.backend
         if not isinstance(backend, DeepSpeedTrainerConfig):
             raise TypeError(f"DeepSpeedTrainer needs train.backend.type='deepspeed', got {backend.type!r}")
         deepspeed = _import_deepspeed()
         self.backend = backend
         self.rank, self.local_rank, self.world_size = init_process_group(backend)
-        super().__init__(model_dir, train_cfg, weight_store, dtype, initial_version, storage_options, lora)
-        self.export_dtype = torch_dtype(dtype, "DeepSpeedTrainer")
+        super().__init__(model_dir, train_cfg, *args, **kwargs)
         self.zero_stage = backend.zero_stage
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, optimizer=self.optimizer, config=deepspeed_config(train_cfg)
@@ -220,7 +207,7 @@ class DeepSpeedTrainer(TorchTrainer):
         return self._sum_over_ranks(out)
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
-        denom = reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
+        denom = self.loss_denominator(minibatch)
         if denom == 0:  # the same on every rank: each one sees the whole minibatch
             return None
         micro_batches = list(self._rank_micro_batches(minibatch))
@@ -285,7 +272,7 @@ class DeepSpeedTrainer(TorchTrainer):
         on rank 0; other ranks take part in the gather and get an empty dict."""
         with self._gathered(self.params if self.lora is not None else None):
             state = super().weights() if self.is_main else {}
-        return {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def merge(self) -> dict[str, Tensor]:
         if self.lora is not None and self.zero_stage == 3:
@@ -314,7 +301,7 @@ class DeepSpeedTrainer(TorchTrainer):
         saved = {p: p.data for p in self.params}
         try:
             for p in self.params:
-                p.data = p.data.to(self.export_dtype)
+                p.data = p.data.to(self.dtype)
             yield
         finally:
             for p, data in saved.items():
@@ -368,11 +355,7 @@ class DeepSpeedTrainer(TorchTrainer):
         dist.barrier()
 
     def load(self, uri: str) -> None:
-        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
-        fs, data = storage.fs, storage.read(path)
-        if data is None:
-            raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = load_torch(uri, self.storage_options, self.weight_store, "cpu")
         layout = (state.get("world_size"), state.get("zero_stage"), state.get("lora"))
         if layout != (self.world_size, self.zero_stage, self.lora is not None):
             raise ValueError(
@@ -380,7 +363,8 @@ class DeepSpeedTrainer(TorchTrainer):
                 f"lora={layout[2]}; this trainer has num_processes={self.world_size}, zero_stage={self.zero_stage}, "
                 f"lora={self.lora is not None} (DeepSpeed's optimizer shards need the same layout)"
             )
-        shards = _shard_folder(path)
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
+        fs, shards = storage.fs, _shard_folder(path)
         with tempfile.TemporaryDirectory(prefix="miles-ds-load-") as tmp:
             local = Path(tmp) / _ENGINE_TAG
             local.mkdir()
