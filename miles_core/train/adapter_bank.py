@@ -350,12 +350,7 @@ class BankedLoraTrainer(TorchTrainer):
         self._random_forward = lora.dropout > 0 or _has_dropout(bank.model)
         self._mismatch_denom = None
         self._named = bank.parameters_of(name)
-        self.params = list(self._named.values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-                                           weight_decay=train_cfg.weight_decay)
-        self.pad_id = self.model.config.pad_token_id or 0
-        self._generator = torch.Generator().manual_seed(train_cfg.seed)
-        self._version = 0
+        self._start(list(self._named.values()), 0)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.bank.step(self.name, batch)

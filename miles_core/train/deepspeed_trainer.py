@@ -60,8 +60,7 @@ from miles_core import processes
 from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
 from miles_core.train.batch import TokenBatch
 from miles_core.train.checkpoint import checkpoint_storage, load_torch, save_torch
-from miles_core.train.losses import token_logprobs
-from miles_core.train.torch_trainer import TorchTrainer, _eval_mode
+from miles_core.train.torch_trainer import TorchTrainer
 
 _ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ENGINE_TAG = "engine"  # DeepSpeed's checkpoint tag inside the sibling folder
@@ -180,7 +179,7 @@ class DeepSpeedTrainer(TorchTrainer):
         # the policy's passes go through the engine (its forward hooks: ZeRO-3 gathers, bf16)
         return super()._logits(self.engine if model is self.model else model, mb, route)
 
-    def _rank_micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
+    def _micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
         """This rank's share of ``tokens`` in micro-batches: (row indices into ``tokens``, rows).
         Every rank yields the same number; a stand-in has no row indices and a zero loss mask."""
         n, world, size = tokens.num_rows, self.world_size, self.cfg.micro_batch_size
@@ -196,21 +195,15 @@ class DeepSpeedTrainer(TorchTrainer):
                 stand_in.loss_mask = torch.zeros_like(stand_in.loss_mask)
                 yield rows, stand_in
 
-    @torch.no_grad()
     def _forward_logprobs(self, model: torch.nn.Module, tokens: TokenBatch, temperature: float) -> Tensor:
-        out = torch.zeros_like(tokens.loss_mask)
-        with _eval_mode(model):
-            for rows, mb in self._rank_micro_batches(tokens):
-                lp = token_logprobs(self._logits(model, mb), mb.labels, temperature)
-                if len(rows):
-                    out[rows, : lp.shape[1]] = lp
-        return self._sum_over_ranks(out)
+        # this rank filled the rows of its share (zeros elsewhere): the sum over ranks is the whole batch
+        return self._sum_over_ranks(super()._forward_logprobs(model, tokens, temperature))
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
         denom = self.loss_denominator(minibatch)
         if denom == 0:  # the same on every rank: each one sees the whole minibatch
             return None
-        micro_batches = list(self._rank_micro_batches(minibatch))
+        micro_batches = list(self._micro_batches(minibatch))
         sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for i, (_, mb) in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)

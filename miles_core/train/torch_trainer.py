@@ -144,16 +144,17 @@ class TorchTrainer:
         """A training-mode forward pass is random (dropout, jitter): two passes differ (``_one_pass``)."""
         self._mismatch_denom: float | None = None
         """One pass: the tokens the mismatch metrics average over (None: no metrics)."""
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=train_cfg.lr,
-            betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-            weight_decay=train_cfg.weight_decay,
-        )
+        self._start([p for p in self.model.parameters() if p.requires_grad], initial_version)
+
+    def _start(self, params: list[torch.nn.Parameter], version: int) -> None:
+        """Train ``params`` of ``self.model`` with AdamW, from weights ``version``, shuffling from ``cfg.seed``."""
+        cfg = self.cfg
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           weight_decay=cfg.weight_decay)
         self.pad_id = self.model.config.pad_token_id or 0
-        self._generator = torch.Generator().manual_seed(train_cfg.seed)
-        self._version = initial_version
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        self._version = version
 
     def _select_device(self, train_cfg: TrainConfig) -> torch.device:
         """Where the model trains (a launched rank picks its own GPU)."""
@@ -243,10 +244,13 @@ class TorchTrainer:
         return (cfg.old_logprobs == "recompute" and len(cfg.minibatch_sizes(num_rows)) == 1
                 and cfg.kl_coef == 0 and (not cfg.use_tis or cfg.tis_mode == "truncate") and not self._random_forward)
 
-    def _micro_batches(self, tokens: TokenBatch) -> Iterator[TokenBatch]:
+    def _micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
+        """``tokens`` in micro-batches (``micro_batch_size`` rows, or with ``use_dynamic_batch_size``
+        as many as fit ``max_tokens_per_gpu``): (row indices into ``tokens``, rows)."""
         max_tokens = self.cfg.max_tokens_per_gpu if self.cfg.use_dynamic_batch_size else None
         for rows in micro_batch_rows(tokens.lengths.cpu(), self.cfg.micro_batch_size, max_tokens):
-            yield tokens.select(rows.to(self.device))
+            rows = rows.to(self.device)
+            yield rows, tokens.select(rows)
 
     def _logits(self, model: torch.nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
         """The raw logits of ``model`` (its dtype), aligned like ``mb.labels`` (the shared-prompt pass
@@ -259,12 +263,10 @@ class TorchTrainer:
     @torch.no_grad()
     def _forward_logprobs(self, model: torch.nn.Module, tokens: TokenBatch, temperature: float) -> Tensor:
         out = torch.zeros_like(tokens.loss_mask)
-        start = 0
         with _eval_mode(model):
-            for mb in self._micro_batches(tokens):
+            for rows, mb in self._micro_batches(tokens):
                 lp = token_logprobs(self._logits(model, mb), mb.labels, temperature)
-                out[start : start + mb.num_rows, : lp.shape[1]] = lp
-                start += mb.num_rows
+                out[rows, : lp.shape[1]] = lp  # (a DeepSpeed rank's stand-in has no rows)
         return out
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
@@ -284,7 +286,7 @@ class TorchTrainer:
 
     def trained_micro_batches(self, minibatch: TokenBatch) -> list[TokenBatch]:
         """The micro-batches of ``minibatch`` with at least one trained token."""
-        return [mb for mb in self._micro_batches(minibatch) if mb.loss_mask.any()]
+        return [mb for _, mb in self._micro_batches(minibatch) if mb.loss_mask.any()]
 
     def keep_metrics(self, parts: dict[str, list[Tensor]], metrics: dict[str, Tensor]) -> None:
         """Add a micro-batch's metrics to its minibatch's (summed on the device, read back once by ``apply_gradients``)."""
