@@ -41,17 +41,13 @@ from typing import Any
 
 from miles_core.storage.fs import (
     DEFAULT_RETRY,
+    RetryingFS,
     RetryPolicy,
-    atomic_write,
-    create_only_write,
     io_pool,
     join,
     list_after,
     list_tree,
-    open_fs,
-    read_bytes,
     to_url,
-    with_retries,
 )
 from miles_core.storage.layout import check_name
 
@@ -88,9 +84,8 @@ class _Files:
 
     def __init__(self, run_dir_url: str, storage_options: dict[str, Any] | None = None,
                  retry: RetryPolicy | None = None) -> None:
-        self.fs, run_dir = open_fs(run_dir_url, storage_options)
-        self.root = join(run_dir, FLEET)
-        self.retry = retry or DEFAULT_RETRY
+        self.io, run_dir = RetryingFS.open(run_dir_url, storage_options, retry or DEFAULT_RETRY)
+        self.fs, self.root = self.io.fs, join(run_dir, FLEET)
 
     def path(self, rel: str) -> str:
         return join(self.root, rel)
@@ -98,11 +93,8 @@ class _Files:
     def url(self, rel: str) -> str:
         return to_url(self.fs, self.path(rel))
 
-    def _call(self, fn, rel: str):
-        return with_retries(fn, self.url(rel), self.fs, self.retry)
-
     def read(self, rel: str) -> Any | None:
-        data = self._call(lambda: read_bytes(self.fs, self.path(rel)), rel)
+        data = self.io.read(self.path(rel))
         if data is None:
             return None
         try:
@@ -111,25 +103,24 @@ class _Files:
             raise ValueError(f"{self.url(rel)} is not valid JSON ({len(data)} bytes): {e}") from e
 
     def write(self, rel: str, obj: Any) -> None:
-        data = json.dumps(obj, sort_keys=True).encode()
-        self._call(lambda: atomic_write(self.fs, self.path(rel), data), rel)
+        self.io.write(self.path(rel), json.dumps(obj, sort_keys=True).encode())
 
     def create(self, rel: str, obj: Any) -> None:
         """Write only if nothing is there (FileExistsError otherwise)."""
-        create_only_write(self.fs, self.path(rel), json.dumps(obj, sort_keys=True).encode(), self.retry)
+        self.io.create(self.path(rel), json.dumps(obj, sort_keys=True).encode())
 
     def exists(self, rel: str) -> bool:
-        return bool(self._call(lambda: self.fs.exists(self.path(rel)), rel))
+        return self.io.exists(self.path(rel))
 
     def names(self, folder: str, after: str | None = None) -> list[str]:
         try:
-            return self._call(lambda: list_after(self.fs, self.path(folder), after), folder)
+            return self.io.call(lambda: list_after(self.fs, self.path(folder), after), self.path(folder))
         except FileNotFoundError:
             return []
 
     def tree(self, folder: str) -> list[str]:
         """Every file below ``folder`` (relative paths), in one listing on S3."""
-        return self._call(lambda: list_tree(self.fs, self.path(folder)), folder)
+        return self.io.call(lambda: list_tree(self.fs, self.path(folder)), self.path(folder))
 
     def read_many(self, rels: list[str]) -> list[Any | None]:
         """``read`` of each, concurrently (object-store latency, not CPU, is what they wait on)."""
@@ -139,7 +130,7 @@ class _Files:
 
     def remove(self, rel: str) -> None:
         try:
-            self._call(lambda: self.fs.rm_file(self.path(rel)), rel)
+            self.io.call(lambda: self.fs.rm_file(self.path(rel)), self.path(rel))
         except FileNotFoundError:
             pass
 

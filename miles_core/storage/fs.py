@@ -3,10 +3,11 @@
 - ``open_fs(url)`` resolves a URL (or a plain local path) to a filesystem and a root path.
 - ``atomic_write(fs, path, data)`` makes a file visible only when whole.
 - ``join`` / ``to_url`` / ``basename`` build and print paths the same way on every backend.
-- ``create_only_write`` never overwrites (S3 ``If-None-Match: *``, local ``os.link``);
-  ``read_with_tag`` / ``cas_write`` do compare-and-swap (S3 ``If-Match: <etag>``);
+- ``read_with_tag`` / ``cas_write`` do compare-and-swap (S3 ``If-Match: <etag>``);
   ``list_after`` lists only names after a cursor (S3 ``StartAfter``).
-- ``RetryPolicy`` / ``with_retries``: bounded back-off on transient endpoint errors.
+- ``RetryingFS``: a filesystem whose calls are retried on transient endpoint errors (bounded
+  back-off per a ``RetryPolicy``), the one way storage calls are retried; its ``create`` never
+  overwrites (S3 ``If-None-Match: *``, local ``os.link``).
 - ``copy_to_disk(url, dest)``: a copy on this machine of a remote file or folder (for readers that
   take only paths: PEFT, an inference server).
 
@@ -69,19 +70,20 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
 def copy_to_disk(url: str, dest: str, storage_options: dict[str, Any] | None = None) -> str:
     """Copy the folder or file at ``url`` into the local folder ``dest``; the copy's path: ``dest``
     for a folder, ``dest/<name>`` for a file. Each file is retried on transient endpoint errors
-    (``with_retries``); ``FileNotFoundError`` names ``url`` when it is neither."""
-    fs, path = open_fs(url, storage_options)
+    (``RetryingFS``); ``FileNotFoundError`` names ``url`` when it is neither."""
+    storage, path = RetryingFS.open(url, storage_options)
+    fs = storage.fs
 
     def get(remote: str, target: str) -> None:
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        with_retries(lambda: fs.get_file(remote, target), to_url(fs, remote), fs)
+        storage.call(lambda: fs.get_file(remote, target), remote)
 
-    if with_retries(lambda: fs.isdir(path), url, fs):
-        for remote in with_retries(lambda: fs.find(path), url, fs):
+    if storage.call(lambda: fs.isdir(path), path):
+        for remote in storage.call(lambda: fs.find(path), path):
             if not remote.endswith("/"):  # object stores list folder markers as keys ending in /
                 get(remote, os.path.join(dest, os.path.relpath(remote, path)))
         return dest
-    if not with_retries(lambda: fs.exists(path), url, fs):
+    if not storage.exists(path):
         raise FileNotFoundError(f"{url}: no such file or folder")
     target = os.path.join(dest, basename(path))
     get(path, target)
@@ -344,81 +346,122 @@ def is_transient(error: BaseException, policy: RetryPolicy = DEFAULT_RETRY) -> b
     return False
 
 
-def with_retries(
-    fn: Callable[[], T], what: str, fs: fsspec.AbstractFileSystem, policy: RetryPolicy = DEFAULT_RETRY
-) -> T:
-    """``fn()``, retried on transient errors per ``policy``; then StorageUnavailableError naming
-    ``what`` (an object URI) and the endpoint URL. Other errors propagate unchanged."""
-    start = time.monotonic()
-    delays = policy.delays()
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except Exception as e:
-            if not is_transient(e, policy):
-                if is_s3(fs) and _is_missing_bucket(e):
-                    raise _bucket_missing(what, fs, e) from e
-                if is_s3(fs) and isinstance(e, PermissionError):
-                    raise PermissionError(errno.EACCES, f"{what}: storage endpoint {endpoint_name(fs)} refused access "
-                                          f"({e}); check the credentials the run uses (storage.storage_options, "
-                                          "storage.credentials_block, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-                                          "in the environment) and that they may read and write this bucket") from e
+class RetryingFS:
+    """``fs`` behind the one retry loop of the storage package: ``call(fn, path)`` runs ``fn()`` again
+    after each transient endpoint error, backing off per ``policy``, until it succeeds or the
+    policy's attempts or deadline (a run's: ``outage_retry(storage.max_outage_s)``) run out; then
+    ``StorageUnavailableError`` names ``path``'s URL, the endpoint and what to do. Other errors
+    propagate; on S3 a refused access or a missing bucket is reworded to name the object, the
+    endpoint and what to check. ``read`` / ``write`` / ``exists`` / ``create`` are the calls most
+    callers make, each retried so."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, policy: RetryPolicy = DEFAULT_RETRY) -> None:
+        self.fs, self.policy = fs, policy
+
+    @classmethod
+    def open(cls, url: str, storage_options: dict[str, Any] | None = None,
+             policy: RetryPolicy = DEFAULT_RETRY) -> tuple[RetryingFS, str]:
+        """``open_fs(url)`` behind ``policy``: the wrapper and the path of ``url`` in it."""
+        fs, path = open_fs(url, storage_options)
+        return cls(fs, policy), path
+
+    def url(self, path: str) -> str:
+        return to_url(self.fs, path)
+
+    def call(self, fn: Callable[[], T], path: str) -> T:
+        """``fn()``, retried on transient errors; errors name the object at ``path``."""
+        return self._retried(fn, self.url(path))
+
+    def read(self, path: str) -> bytes | None:
+        """The whole file, or None when it does not exist."""
+        return self.call(lambda: read_bytes(self.fs, path), path)
+
+    def write(self, path: str, data: bytes) -> None:
+        """``atomic_write``: replace ``path`` with ``data``, visible only when whole."""
+        self.call(lambda: atomic_write(self.fs, path, data), path)
+
+    def exists(self, path: str) -> bool:
+        return bool(self.call(lambda: self.fs.exists(path), path))
+
+    def create(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` only if nothing is there; FileExistsError (naming the object)
+        otherwise. Visible only when whole on every backend.
+
+        s3://: a PUT with ``If-None-Match: *``. A retry after a lost response may find the object this
+        call wrote: identical bytes count as success. file://: temp file, fsync, then ``os.link`` to
+        the final name (fails if it exists). memory://: check and store under a process-wide lock.
+        """
+        fs, uri = self.fs, self.url(path)
+        if is_local(fs):
+            _create_only_local(path, data, uri)
+            return
+        if not is_s3(fs):
+            with _memory_lock:
+                if fs.exists(path):
+                    raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it")
+                fs.pipe_file(path, data)
+            return
+        failed_before = False
+
+        def put() -> None:
+            nonlocal failed_before
+            try:
+                fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                if failed_before and read_bytes(fs, path) == data:
+                    return  # our own earlier attempt landed; its response was lost
+                raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it") from None
+            except Exception as e:
+                failed_before = failed_before or is_transient(e, self.policy)
                 raise
-            delay = next(delays, None)
-            elapsed = time.monotonic() - start
-            if delay is None or elapsed + delay > policy.deadline:
-                raise StorageUnavailableError(
-                    errno.EIO,
-                    f"{what}: storage endpoint {endpoint_name(fs)} still failing after {attempt} attempt(s) "
-                    f"over {elapsed:.1f}s: {type(e).__name__}: {e}",
-                ) from e
-            log.warning("%s: transient storage error (attempt %d, retry in %.2fs): %s: %s",
-                        what, attempt, delay, type(e).__name__, e)
-            time.sleep(delay)
+
+        self._retried(put, f"create {uri}")
+
+    def _retried(self, fn: Callable[[], T], what: str) -> T:
+        fs, policy = self.fs, self.policy
+        start = time.monotonic()
+        delays = policy.delays()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as e:
+                if not is_transient(e, policy):
+                    reworded = _reworded(e, what, fs)
+                    if reworded is None:
+                        raise
+                    raise reworded from e
+                delay = next(delays, None)
+                elapsed = time.monotonic() - start
+                if delay is None or elapsed + delay > policy.deadline:
+                    raise StorageUnavailableError(
+                        errno.EIO,
+                        f"{what}: storage endpoint {endpoint_name(fs)} still failing after {attempt} attempt(s) "
+                        f"over {elapsed:.1f}s: {type(e).__name__}: {e} (check that the endpoint is up and "
+                        "reachable; storage.max_outage_s sets how long a run waits out an outage)",
+                    ) from e
+                log.warning("%s: transient storage error (attempt %d, retry in %.2fs): %s: %s",
+                            what, attempt, delay, type(e).__name__, e)
+                time.sleep(delay)
+
+
+def _reworded(error: Exception, what: str, fs: fsspec.AbstractFileSystem) -> Exception | None:
+    """On S3, a missing bucket or a refused access as an error that names ``what``, the endpoint and
+    what to check; None for any other error (raised as it is)."""
+    if is_s3(fs) and _is_missing_bucket(error):
+        return _bucket_missing(what, fs, error)
+    if is_s3(fs) and isinstance(error, PermissionError):
+        return PermissionError(errno.EACCES, f"{what}: storage endpoint {endpoint_name(fs)} refused access "
+                               f"({error}); check the credentials the run uses (storage.storage_options, "
+                               "storage.credentials_block, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                               "in the environment) and that they may read and write this bucket")
+    return None
 
 
 # ----------------------------------------------------------------------------- create-only writes
 
 _memory_lock = threading.Lock()
-
-
-def create_only_write(
-    fs: fsspec.AbstractFileSystem, path: str, data: bytes, policy: RetryPolicy = DEFAULT_RETRY
-) -> None:
-    """Write ``data`` to ``path`` only if nothing is there; FileExistsError (naming the object)
-    otherwise. Visible only when whole on every backend.
-
-    s3://: a PUT with ``If-None-Match: *``. A retry after a lost response may find the object this
-    call wrote: identical bytes count as success. file://: temp file, fsync, then ``os.link`` to
-    the final name (fails if it exists). memory://: check and store under a process-wide lock.
-    """
-    uri = to_url(fs, path)
-    if is_local(fs):
-        _create_only_local(path, data, uri)
-        return
-    if not is_s3(fs):
-        with _memory_lock:
-            if fs.exists(path):
-                raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it")
-            fs.pipe_file(path, data)
-        return
-    failed_before = False
-
-    def put() -> None:
-        nonlocal failed_before
-        try:
-            fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            if failed_before and read_bytes(fs, path) == data:
-                return  # our own earlier attempt landed; its response was lost
-            raise FileExistsError(errno.EEXIST, f"{uri} already exists; refusing to overwrite it") from None
-        except Exception as e:
-            failed_before = failed_before or is_transient(e, policy)
-            raise
-
-    with_retries(put, f"create {uri}", fs, policy)
 
 
 def _create_only_local(path: str, data: bytes, uri: str) -> None:

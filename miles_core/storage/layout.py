@@ -38,17 +38,15 @@ from typing import Any
 
 from miles_core.storage.fs import (
     DEFAULT_RETRY,
+    RetryingFS,
     RetryPolicy,
-    atomic_write,
     cas_write,
     is_local,
     join,
     list_names,
     open_fs,
-    read_bytes,
     read_with_tag,
     to_url,
-    with_retries,
 )
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -119,6 +117,7 @@ class RunLayout:
         self.fs, root = open_fs(root_url, storage_options)
         self.retry = retry or DEFAULT_RETRY
         """Transient storage errors are retried by this policy (a run's: ``storage.max_outage_s``)."""
+        self.io = RetryingFS(self.fs, self.retry)
         self.name = check_name("run", name)
         self.run_id = check_name("run id", run_id)
         self.path = join(root, name, run_id)
@@ -165,7 +164,7 @@ class RunLayout:
     def checkpoints(self) -> list[int]:
         """Steps of the complete checkpoints (those with ``state.json``), ascending."""
         pattern = join(self.path, CHECKPOINTS, "step-*", CHECKPOINT_STATE)
-        markers = self._call(lambda: self.fs.glob(pattern), CHECKPOINTS)
+        markers = self.io.call(lambda: self.fs.glob(pattern), join(self.path, CHECKPOINTS))
         return _checkpoint_steps(marker.rsplit("/", 2)[-2] for marker in markers)
 
     def write_checkpoint(self, step: int, write: Callable[[str], Any], state: dict[str, Any]) -> str:
@@ -185,8 +184,7 @@ class RunLayout:
             self.remove(f"{checkpoint_dir(step)}/{CHECKPOINT_STATE}")
         try:
             write(to_url(self.fs, folder))
-            self._call(lambda: atomic_write(self.fs, join(folder, CHECKPOINT_STATE),
-                                            json.dumps(state, indent=2, sort_keys=True).encode()), checkpoint_dir(step))
+            self.io.write(join(folder, CHECKPOINT_STATE), json.dumps(state, indent=2, sort_keys=True).encode())
             if local:
                 _replace_folder(folder, final)
         except BaseException:
@@ -198,13 +196,15 @@ class RunLayout:
     def incomplete_checkpoints(self) -> list[str]:
         """The folders under ``checkpoints/`` that are no complete checkpoint: ``step-<k>`` without
         ``state.json`` and temporary ``.partial-*`` ones (each a save that did not finish), by name."""
-        names = self._call(lambda: list_names(self.fs, join(self.path, CHECKPOINTS)), CHECKPOINTS)
+        folder = join(self.path, CHECKPOINTS)
+        names = self.io.call(lambda: list_names(self.fs, folder), folder)
         complete = {checkpoint_dir(step).rsplit("/", 1)[-1] for step in self.checkpoints()}
         return sorted(n for n in names if (_CHECKPOINT_DIR.match(n) or n.startswith(PARTIAL_PREFIX)) and n not in complete)
 
     def remove_checkpoint_folder(self, name: str) -> None:
         """Delete the folder ``checkpoints/<name>`` (an incomplete one)."""
-        self._call(lambda: self.fs.rm(join(self.path, CHECKPOINTS, name), recursive=True), f"{CHECKPOINTS}/{name}")
+        folder = join(self.path, CHECKPOINTS, name)
+        self.io.call(lambda: self.fs.rm(folder, recursive=True), folder)
 
     def latest_checkpoint(self) -> int | None:
         """The step of the newest complete checkpoint, or None when there is none."""
@@ -230,16 +230,9 @@ class RunLayout:
             self.fs.rm(folder, recursive=True)
         return doomed
 
-    def _call(self, fn, rel: str):
-        """``fn()``, retried on transient storage errors; the error names ``rel``'s URL."""
-        return with_retries(fn, self.url(rel), self.fs, self.retry)
-
     def _write(self, rel: str, data: bytes) -> str:
-        self._call(lambda: atomic_write(self.fs, join(self.path, rel), data), rel)
+        self.io.write(join(self.path, rel), data)
         return self.url(rel)
-
-    def _read(self, rel: str) -> bytes | None:
-        return self._call(lambda: read_bytes(self.fs, join(self.path, rel)), rel)
 
     def remove(self, rel: str) -> None:
         """Delete the file ``rel`` under the run folder (nothing if it is not there)."""
@@ -249,7 +242,7 @@ class RunLayout:
             if self.fs.exists(path):
                 self.fs.rm_file(path)
 
-        self._call(rm, rel)
+        self.io.call(rm, path)
 
     def write_json(self, rel: str, obj: Any) -> str:
         """Replace the JSON file ``rel`` under the run folder atomically; returns its URL."""
@@ -265,23 +258,24 @@ class RunLayout:
 
     def read_json(self, rel: str) -> Any | None:
         """The JSON file ``rel`` under the run folder, or None when it does not exist."""
-        data = self._read(rel)
+        data = self.io.read(join(self.path, rel))
         return None if data is None else json.loads(data)
 
     def read_json_tagged(self, rel: str) -> tuple[Any | None, str | None]:
         """The JSON file ``rel`` and its tag for ``swap_json``; (None, None) when it does not exist."""
-        data, tag = self._call(lambda: read_with_tag(self.fs, join(self.path, rel)), rel)
+        path = join(self.path, rel)
+        data, tag = self.io.call(lambda: read_with_tag(self.fs, path), path)
         return (None, None) if data is None else (json.loads(data), tag)
 
     def swap_json(self, rel: str, obj: Any, tag: str | None) -> None:
         """Replace the JSON file ``rel`` only if it still has ``tag`` (None: only if it does not
         exist); ``PreconditionFailed`` when another writer changed it first."""
-        data = json.dumps(obj, indent=2, sort_keys=True).encode()
-        self._call(lambda: cas_write(self.fs, join(self.path, rel), data, tag), rel)
+        path, data = join(self.path, rel), json.dumps(obj, indent=2, sort_keys=True).encode()
+        self.io.call(lambda: cas_write(self.fs, path, data, tag), path)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         """The rows of the JSON-lines file ``rel`` (empty when it does not exist)."""
-        data = self._read(rel)
+        data = self.io.read(join(self.path, rel))
         return [] if data is None else [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
     def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> str:

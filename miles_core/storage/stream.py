@@ -17,13 +17,13 @@ Visibility: a segment appears under its final name only when whole, and readers 
 names that match ``<12 digits>.arrow`` exactly, so temp files and other stray objects are ignored.
 There is one writer per producer prefix: the producer counts offsets in memory, starting after
 the highest segment present when it first appends. Segments are written create-only
-(``create_only_write``: S3 ``If-None-Match: *``, local ``os.link``), so a duplicated or restarted
+(``RetryingFS.create``: S3 ``If-None-Match: *``, local ``os.link``), so a duplicated or restarted
 producer that collides with an existing segment gets a FileExistsError naming the object instead
 of overwriting it.
 
 On S3, ``offsets(after)`` lists with ``StartAfter`` (only new keys travel), and every storage call
-is retried on transient endpoint errors per the stream's ``RetryPolicy`` (then
-``StorageUnavailableError`` naming the object and the endpoint URL).
+goes through the stream's ``RetryingFS`` (``io``): retried on transient endpoint errors per its
+``RetryPolicy``, then ``StorageUnavailableError`` naming the object and the endpoint URL.
 
 Segments are plain Arrow: ``pyarrow.ipc.open_stream`` (or DuckDB, Polars) reads them.
 """
@@ -39,16 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.storage.fs import (
     DEFAULT_RETRY,
+    RetryingFS,
     RetryPolicy,
-    atomic_write,
-    create_only_write,
     is_local,
     join,
     list_after,
     open_fs,
-    read_bytes,
     to_url,
-    with_retries,
 )
 from miles_core.storage.layout import check_name, cursor_file, samples_dir
 from miles_core.types import SCHEMA_VERSION, Group, Sample, arrow_schema, flatten, samples_to_table, table_to_samples
@@ -107,6 +104,8 @@ class SampleStream:
         self.run_dir_url = run_dir_url
         self.storage_options = storage_options
         self.retry = retry or DEFAULT_RETRY
+        self.io = RetryingFS(self.fs, self.retry)
+        """Every storage call of the stream and its readers goes through it."""
         self.compression = compression  # of the segments this object writes; readers take any
         self.producer = check_name("producer", producer)
         self.path = join(self.run_dir, samples_dir(producer))
@@ -143,7 +142,7 @@ class SampleStream:
 
     def _write_segment(self, offset: int, table: pa.Table) -> None:
         try:
-            create_only_write(self.fs, join(self.path, segment_name(offset)), _encode(table, self.compression), self.retry)
+            self.io.create(join(self.path, segment_name(offset)), _encode(table, self.compression))
         except FileExistsError as e:
             raise FileExistsError(
                 e.errno,
@@ -159,9 +158,7 @@ class SampleStream:
         if end is not None:
             return end
         last = self._claim_offset() - 1
-        path = join(self.path, END_MARKER)
-        data = json.dumps({"last_offset": last}).encode()
-        self._call(lambda: atomic_write(self.fs, path, data), path)
+        self.io.write(join(self.path, END_MARKER), json.dumps({"last_offset": last}).encode())
         self._end = last
         return last
 
@@ -180,7 +177,7 @@ class SampleStream:
     def set_aside(self) -> list[int]:
         """Offsets of the segments moved aside as damaged (``damaged/<offset>.arrow``), ascending."""
         folder = join(self.path, DAMAGED)
-        names = self._call(lambda: list_after(self.fs, folder, None), folder)
+        names = self.io.call(lambda: list_after(self.fs, folder, None), folder)
         return sorted(int(m.group(1)) for m in map(SEGMENT_NAME.match, names) if m)
 
     def damaged(self) -> list[tuple[int, str]]:
@@ -202,8 +199,8 @@ class SampleStream:
         src = join(self.path, segment_name(offset))
         dst = join(self.path, DAMAGED, segment_name(offset))
         note = json.dumps({"offset": offset, "why": why, "at": time.time()}).encode()
-        self._call(lambda: atomic_write(self.fs, join(self.path, DAMAGED, f"{offset:012d}.json"), note), dst)
-        self._call(lambda: self.fs.mv(src, dst), src)
+        self.io.write(join(self.path, DAMAGED, f"{offset:012d}.json"), note)
+        self.io.call(lambda: self.fs.mv(src, dst), src)
         return to_url(self.fs, dst)
 
     # ------------------------------------------------------------------------------- readers
@@ -215,7 +212,7 @@ class SampleStream:
         only new keys. Local and memory storage list the folder and filter by name."""
         start = segment_name(after) if after >= 0 else None
         found = []
-        for name in self._call(lambda: list_after(self.fs, self.path, start), self.path):
+        for name in self.io.call(lambda: list_after(self.fs, self.path, start), self.path):
             m = SEGMENT_NAME.match(name)
             if m and int(m.group(1)) > after:
                 found.append(int(m.group(1)))
@@ -235,8 +232,7 @@ class SampleStream:
     def read_segment(self, offset: int) -> Segment:
         """The segment at ``offset``; FileNotFoundError if there is none, ValueError if it is bad."""
         uri = self.segment_uri(offset)
-        path = join(self.path, segment_name(offset))
-        data = self._call(lambda: read_bytes(self.fs, path), path)
+        data = self.io.read(join(self.path, segment_name(offset)))
         if data is None:
             raise FileNotFoundError(f"no sample segment at offset {offset}: {uri} does not exist")
         return Segment(offset=offset, uri=uri, table=_decode(data, uri))
@@ -245,14 +241,10 @@ class SampleStream:
         """The last offset if the stream is closed, else None."""
         if self._end is None:
             path = join(self.path, END_MARKER)
-            data = self._call(lambda: read_bytes(self.fs, path), path)
+            data = self.io.read(path)
             if data is not None:
                 self._end = _parse_json_field(data, "last_offset", to_url(self.fs, path))
         return self._end
-
-    def _call(self, fn, path: str):
-        """``fn()`` with this stream's retry policy; errors name the object at ``path``."""
-        return with_retries(fn, to_url(self.fs, path), self.fs, self.retry)
 
     def reader(self, name: str) -> StreamReader:
         """A consumer named ``name``, resuming from its last committed cursor."""
@@ -437,7 +429,7 @@ class StreamReader:
             raise ValueError(f"reader {self.name!r}: cursor offset must be an int >= -1, got {offset!r}")
         data = json.dumps({"reader": self.name, "producer": self.stream.producer, "offset": offset,
                            "used_after": int(used_after)}).encode()
-        self.stream._call(lambda: atomic_write(self.stream.fs, self._cursor_path, data), self._cursor_path)
+        self.stream.io.write(self._cursor_path, data)
         self._cursor, self.used_after = offset, int(used_after)
         self.position = max(self.position, offset)
 
@@ -458,7 +450,7 @@ class StreamReader:
             time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
     def _load_cursor(self) -> int:
-        data = self.stream._call(lambda: read_bytes(self.stream.fs, self._cursor_path), self._cursor_path)
+        data = self.stream.io.read(self._cursor_path)
         if data is None:
             return -1
         offset = _parse_json_field(data, "offset", self.cursor_uri)

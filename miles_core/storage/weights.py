@@ -37,19 +37,17 @@ from typing import TYPE_CHECKING, Any
 from miles_core.storage.fs import (
     DEFAULT_RETRY,
     PreconditionFailed,
+    RetryingFS,
     RetryPolicy,
-    atomic_write,
     atomic_write_stream,
     basename,
     cas_write,
-    create_only_write,
     join,
     list_names,
     open_fs,
     read_bytes,
     read_with_tag,
     to_url,
-    with_retries,
 )
 from miles_core.storage.layout import check_name
 
@@ -81,6 +79,7 @@ class WeightStore:
         copied, for engines that tie it again on load."""
         self.fs, self.path = open_fs(weights_dir_url, storage_options)
         self.retry = retry or DEFAULT_RETRY
+        self.io = RetryingFS(self.fs, self.retry)
         self.dtype, self.tied_once = dtype, tied_once
 
     @property
@@ -104,7 +103,7 @@ class WeightStore:
         layout = _SafetensorsLayout(state_dict, {**(metadata or {}), "miles.version": str(version)}, self.dtype,
                                     self.tied_once)
         model = join(folder, MODEL_FILE)
-        size = self._call(lambda: atomic_write_stream(self.fs, model, layout.write), model)
+        size = self.io.call(lambda: atomic_write_stream(self.fs, model, layout.write), model)
         return self._commit(version, folder, {MODEL_FILE: size})
 
     def publish_folder(self, version: int, local_dir: str | os.PathLike) -> str:
@@ -120,8 +119,7 @@ class WeightStore:
             if f.name in (COMMITTED, LATEST):
                 raise ValueError(f"publish_folder: {f} uses a name the weight store reserves")
             data = f.read_bytes()
-            target = join(folder, f.name)
-            self._call(lambda: atomic_write(self.fs, target, data), target)
+            self.io.write(join(folder, f.name), data)
             sizes[f.name] = len(data)
         return self._commit(version, folder, sizes)
 
@@ -129,12 +127,12 @@ class WeightStore:
         """Copy the files of a committed version (None: latest) into ``local_dir``; returns it."""
         folder = self._committed_path(version)
         marker = join(folder, COMMITTED)
-        listed = json.loads(self._call(lambda: self.fs.cat_file(marker), marker))["files"]
+        listed = json.loads(self.io.call(lambda: self.fs.cat_file(marker), marker))["files"]
         out = Path(local_dir)
         out.mkdir(parents=True, exist_ok=True)
         for name, size in listed.items():
             path = join(folder, name)
-            data = self._call(lambda: self.fs.cat_file(path), path)
+            data = self.io.call(lambda: self.fs.cat_file(path), path)
             if len(data) != size:
                 raise ValueError(f"{to_url(self.fs, path)}: {len(data)} bytes, the commit marker says {size}")
             (out / name).write_bytes(data)
@@ -150,7 +148,7 @@ class WeightStore:
         commits), then move LATEST."""
         marker = json.dumps({"version": version, "files": sizes}).encode()
         try:
-            create_only_write(self.fs, join(folder, COMMITTED), marker, self.retry)
+            self.io.create(join(folder, COMMITTED), marker)
         except FileExistsError:
             raise FileExistsError(f"weights version {version} is already published at {self.uri(version)}") from None
         self._advance_latest(version)
@@ -160,12 +158,12 @@ class WeightStore:
         """Move LATEST to ``version`` unless it already points at or past it (compare-and-swap)."""
         path = join(self.path, LATEST)
         for _ in range(_CAS_ATTEMPTS):
-            data, tag = self._call(lambda: read_with_tag(self.fs, path), path)
+            data, tag = self.io.call(lambda: read_with_tag(self.fs, path), path)
             current = None if data is None else self._parse_latest(data)
             if current is not None and current >= version:
                 return
             try:
-                self._call(lambda: cas_write(self.fs, path, str(version).encode(), tag), path)
+                self.io.call(lambda: cas_write(self.fs, path, str(version).encode(), tag), path)
                 return
             except PreconditionFailed:
                 continue  # another publisher moved it; re-read and compare again
@@ -175,9 +173,7 @@ class WeightStore:
 
     def pin(self, version: int, reader: str) -> None:
         """Durably protect ``version`` from ``retain`` on behalf of ``reader`` (idempotent)."""
-        path = self._pin_path(version, reader)
-        data = json.dumps({"version": version, "reader": reader}).encode()
-        self._call(lambda: atomic_write(self.fs, path, data), path)
+        self.io.write(self._pin_path(version, reader), json.dumps({"version": version, "reader": reader}).encode())
 
     def unpin(self, version: int, reader: str) -> None:
         """Drop ``reader``'s pin of ``version`` (no error if there is none)."""
@@ -189,16 +185,16 @@ class WeightStore:
             except FileNotFoundError:
                 pass
 
-        self._call(rm, path)
+        self.io.call(rm, path)
 
     def pins(self) -> dict[int, set[str]]:
         """Pinned versions and who pins them."""
         root = join(self.path, PINS)
         found: dict[int, set[str]] = {}
-        for folder in self._call(lambda: list_names(self.fs, root), root):
+        for folder in self.io.call(lambda: list_names(self.fs, root), root):
             m = _VERSION_DIR.match(folder)
             if m:
-                readers = set(self._call(lambda: list_names(self.fs, join(root, folder)), join(root, folder)))
+                readers = set(self.io.call(lambda: list_names(self.fs, join(root, folder)), join(root, folder)))
                 if readers:
                     found[int(m.group(1))] = readers
         return found
@@ -218,9 +214,7 @@ class WeightStore:
         for version in versions:
             if version in keep:
                 continue
-            folder = join(self.path, version_dir(version))
-            self._call(lambda: self.fs.rm_file(join(folder, COMMITTED)), join(folder, COMMITTED))
-            self._call(lambda: self.fs.rm(folder, recursive=True), folder)
+            self._delete(version)
             deleted.append(version)
         return deleted
 
@@ -248,43 +242,44 @@ class WeightStore:
         newer = [v for v in reversed(self.versions()) if v > version]
         self._move_latest_back(version if committed else None)
         for v in newer:
-            folder = join(self.path, version_dir(v))
-            self._call(lambda: self.fs.rm_file(join(folder, COMMITTED)), join(folder, COMMITTED))
-            self._call(lambda: self.fs.rm(folder, recursive=True), folder)
+            self._delete(v)
         return newer
 
     def _move_latest_back(self, version: int | None) -> None:
         """Point LATEST at ``version`` (None: remove it), whichever way that moves it."""
         path = join(self.path, LATEST)
-        data, tag = self._call(lambda: read_with_tag(self.fs, path), path)
+        data, tag = self.io.call(lambda: read_with_tag(self.fs, path), path)
         if (None if data is None else self._parse_latest(data)) == version:
             return
         try:
             if version is None:
-                self._call(lambda: self.fs.rm_file(path), path)
+                self.io.call(lambda: self.fs.rm_file(path), path)
             else:
-                self._call(lambda: cas_write(self.fs, path, str(version).encode(), tag), path)
+                self.io.call(lambda: cas_write(self.fs, path, str(version).encode(), tag), path)
         except PreconditionFailed:
             raise RuntimeError(f"{to_url(self.fs, path)} changed during rollback to version {version}: "
                                "something is still publishing to this weight store") from None
 
+    def _delete(self, version: int) -> None:
+        """Delete a version: its commit marker first, so no reader takes it for a whole one."""
+        folder = join(self.path, version_dir(version))
+        marker = join(folder, COMMITTED)
+        self.io.call(lambda: self.fs.rm_file(marker), marker)
+        self.io.call(lambda: self.fs.rm(folder, recursive=True), folder)
+
     def _pin_path(self, version: int, reader: str) -> str:
         return join(self.path, PINS, version_dir(_check_version(version)), check_name("reader", reader))
-
-    def _call(self, fn, path: str):
-        return with_retries(fn, to_url(self.fs, path), self.fs, self.retry)
 
     # ------------------------------------------------------------------------------- reading
 
     def is_committed(self, version: int) -> bool:
-        path = join(self.path, version_dir(_check_version(version)), COMMITTED)
-        return self._call(lambda: self.fs.exists(path), path)
+        return self.io.exists(join(self.path, version_dir(_check_version(version)), COMMITTED))
 
     def versions(self) -> list[int]:
         """Committed versions, ascending."""
         found = []
         pattern = join(self.path, "v*", COMMITTED)
-        for marker in self._call(lambda: self.fs.glob(pattern), self.path):
+        for marker in self.io.call(lambda: self.fs.glob(pattern), self.path):
             m = _VERSION_DIR.match(basename(marker.rsplit("/", 1)[0]))
             if m:
                 found.append(int(m.group(1)))
@@ -334,8 +329,7 @@ class WeightStore:
         return join(self.path, version_dir(version))
 
     def _read_latest_hint(self) -> int | None:
-        path = join(self.path, LATEST)
-        data = self._call(lambda: read_bytes(self.fs, path), path)
+        data = self.io.read(join(self.path, LATEST))
         return None if data is None else self._parse_latest(data)
 
     def _parse_latest(self, data: bytes) -> int:

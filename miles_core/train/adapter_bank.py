@@ -350,12 +350,7 @@ class BankedLoraTrainer(TorchTrainer):
         self._random_forward = lora.dropout > 0 or _has_dropout(bank.model)
         self._mismatch_denom = None
         self._named = bank.parameters_of(name)
-        self.params = list(self._named.values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-                                           weight_decay=train_cfg.weight_decay)
-        self.pad_id = self.model.config.pad_token_id or 0
-        self._generator = torch.Generator().manual_seed(train_cfg.seed)
-        self._version = 0
+        self._start(list(self._named.values()), 0)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.bank.step(self.name, batch)
@@ -413,15 +408,15 @@ class BankedLoraTrainer(TorchTrainer):
         return {k: p.detach() for k, p in self._named.items()}
 
     def _load_model_state(self, weights: dict[str, Tensor]) -> None:
-        from miles_core.train.torch_trainer import _few
+        from miles_core.train.policy import few
 
         # a checkpoint of a trainer of its own (PEFT's parameter names carry the adapter's name)
         weights = {k.replace(f".lora_A.{self.name}.", ".lora_A.").replace(f".lora_B.{self.name}.", ".lora_B."): v
                    for k, v in weights.items()}
         missing, unexpected = sorted(self._named.keys() - weights.keys()), sorted(weights.keys() - self._named.keys())
         if missing or unexpected:
-            raise ValueError(f"checkpoint does not match adapter {self.name!r} of the bank: missing {_few(missing)}, "
-                             f"unexpected {_few(unexpected)} (was it written with other target modules, or "
+            raise ValueError(f"checkpoint does not match adapter {self.name!r} of the bank: missing {few(missing)}, "
+                             f"unexpected {few(unexpected)} (was it written with other target modules, or "
                              "by a trainer without a shared base?)")
         with torch.no_grad():
             for k, p in self._named.items():

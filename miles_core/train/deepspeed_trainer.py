@@ -43,7 +43,6 @@ Every public method is collective: all ranks call it, in the same order (``launc
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import posixpath
@@ -52,21 +51,16 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import fsspec
 import torch
 from torch import Tensor
 
 from miles_core import processes
 from miles_core.config import DeepSpeedTrainerConfig, TrainConfig
-from miles_core.dtypes import torch_dtype
 from miles_core.train.batch import TokenBatch
-from miles_core.train.losses import reducer_denominator, token_logprobs
-from miles_core.train.torch_trainer import TorchTrainer, WeightPublisher, _eval_mode, save_torch
-
-if TYPE_CHECKING:
-    from miles_core.config import LoraConfig
+from miles_core.train.checkpoint import checkpoint_storage, load_torch, save_torch
+from miles_core.train.torch_trainer import TorchTrainer
 
 _ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ENGINE_TAG = "engine"  # DeepSpeed's checkpoint tag inside the sibling folder
@@ -155,24 +149,15 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeepSpeedTrainer(TorchTrainer):
-    def __init__(
-        self,
-        model_dir: str,
-        train_cfg: TrainConfig,
-        weight_store: WeightPublisher,
-        dtype: str = "float32",
-        initial_version: int = 0,
-        storage_options: dict[str, Any] | None = None,
-        lora: LoraConfig | None = None,
-    ) -> None:
+    def __init__(self, model_dir: str, train_cfg: TrainConfig, *args: Any, **kwargs: Any) -> None:
+        """``TorchTrainer``'s arguments; ``train_cfg.backend`` is a ``DeepSpeedTrainerConfig``."""
         backend = train_cfg.backend
         if not isinstance(backend, DeepSpeedTrainerConfig):
             raise TypeError(f"DeepSpeedTrainer needs train.backend.type='deepspeed', got {backend.type!r}")
         deepspeed = _import_deepspeed()
         self.backend = backend
         self.rank, self.local_rank, self.world_size = init_process_group(backend)
-        super().__init__(model_dir, train_cfg, weight_store, dtype, initial_version, storage_options, lora)
-        self.export_dtype = torch_dtype(dtype, "DeepSpeedTrainer")
+        super().__init__(model_dir, train_cfg, *args, **kwargs)
         self.zero_stage = backend.zero_stage
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, optimizer=self.optimizer, config=deepspeed_config(train_cfg)
@@ -194,7 +179,7 @@ class DeepSpeedTrainer(TorchTrainer):
         # the policy's passes go through the engine (its forward hooks: ZeRO-3 gathers, bf16)
         return super()._logits(self.engine if model is self.model else model, mb, route)
 
-    def _rank_micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
+    def _micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
         """This rank's share of ``tokens`` in micro-batches: (row indices into ``tokens``, rows).
         Every rank yields the same number; a stand-in has no row indices and a zero loss mask."""
         n, world, size = tokens.num_rows, self.world_size, self.cfg.micro_batch_size
@@ -210,21 +195,15 @@ class DeepSpeedTrainer(TorchTrainer):
                 stand_in.loss_mask = torch.zeros_like(stand_in.loss_mask)
                 yield rows, stand_in
 
-    @torch.no_grad()
     def _forward_logprobs(self, model: torch.nn.Module, tokens: TokenBatch, temperature: float) -> Tensor:
-        out = torch.zeros_like(tokens.loss_mask)
-        with _eval_mode(model):
-            for rows, mb in self._rank_micro_batches(tokens):
-                lp = token_logprobs(self._logits(model, mb), mb.labels, temperature)
-                if len(rows):
-                    out[rows, : lp.shape[1]] = lp
-        return self._sum_over_ranks(out)
+        # this rank filled the rows of its share (zeros elsewhere): the sum over ranks is the whole batch
+        return self._sum_over_ranks(super()._forward_logprobs(model, tokens, temperature))
 
     def _optimizer_step(self, minibatch: TokenBatch, temperature: float) -> dict[str, float] | None:
-        denom = reducer_denominator(minibatch.loss_mask, self.policy_loss.reducer)
+        denom = self.loss_denominator(minibatch)
         if denom == 0:  # the same on every rank: each one sees the whole minibatch
             return None
-        micro_batches = list(self._rank_micro_batches(minibatch))
+        micro_batches = list(self._micro_batches(minibatch))
         sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for i, (_, mb) in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
@@ -286,7 +265,7 @@ class DeepSpeedTrainer(TorchTrainer):
         on rank 0; other ranks take part in the gather and get an empty dict."""
         with self._gathered(self.params if self.lora is not None else None):
             state = super().weights() if self.is_main else {}
-        return {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def merge(self) -> dict[str, Tensor]:
         if self.lora is not None and self.zero_stage == 3:
@@ -315,7 +294,7 @@ class DeepSpeedTrainer(TorchTrainer):
         saved = {p: p.data for p in self.params}
         try:
             for p in self.params:
-                p.data = p.data.to(self.export_dtype)
+                p.data = p.data.to(self.dtype)
             yield
         finally:
             for p, data in saved.items():
@@ -344,10 +323,10 @@ class DeepSpeedTrainer(TorchTrainer):
         storage call waits out an outage as run files do (``storage.max_outage_s``)."""
         import torch.distributed as dist
 
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        shards = _shard_folder(path)
-        if self.is_main and self._io(fs, shards, lambda: fs.exists(shards)):
-            self._io(fs, shards, lambda: fs.rm(shards, recursive=True))  # a stale save at the same URI
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
+        fs, shards = storage.fs, _shard_folder(path)
+        if self.is_main and storage.exists(shards):
+            storage.call(lambda: fs.rm(shards, recursive=True), shards)  # a stale save at the same URI
         dist.barrier()
         with tempfile.TemporaryDirectory(prefix="miles-ds-save-") as tmp:
             self.engine.save_checkpoint(
@@ -355,33 +334,21 @@ class DeepSpeedTrainer(TorchTrainer):
                 exclude_frozen_parameters=self.lora is not None,  # LoRA: the base loads from model_dir
             )
             local = Path(tmp) / _ENGINE_TAG
-            self._io(fs, shards, lambda: fs.makedirs(shards, exist_ok=True))
+            storage.call(lambda: fs.makedirs(shards, exist_ok=True), shards)
             for file in sorted(local.iterdir()):
                 target = posixpath.join(shards, file.name)
-                self._io(fs, target, lambda: fs.put_file(str(file), target))
+                storage.call(lambda: fs.put_file(str(file), target), target)
         rng = [None] * self.world_size
         dist.all_gather_object(rng, self._rng_state())
         dist.barrier()  # every shard is written before the marker
         if self.is_main:
             state = {"version": self._version, "shuffle_rng": self._generator.get_state(), "rank_rng": rng,
                      "world_size": self.world_size, "zero_stage": self.zero_stage, "lora": self.lora is not None}
-            self._io(fs, path, lambda: save_torch(fs, path, state))
+            storage.call(lambda: save_torch(fs, path, state), path)
         dist.barrier()
 
-    def _io(self, fs, path: str, fn):
-        """``fn()``, retried on transient storage errors for the run's outage window."""
-        from miles_core.storage.fs import to_url, with_retries
-
-        return with_retries(fn, to_url(fs, path), fs, self._retry)
-
     def load(self, uri: str) -> None:
-        from miles_core.storage.fs import read_bytes
-
-        fs, path = fsspec.core.url_to_fs(uri, **self.storage_options)
-        data = self._io(fs, path, lambda: read_bytes(fs, path))
-        if data is None:
-            raise FileNotFoundError(f"trainer checkpoint not found: {uri}")
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = load_torch(uri, self.storage_options, self.weight_store, "cpu")
         layout = (state.get("world_size"), state.get("zero_stage"), state.get("lora"))
         if layout != (self.world_size, self.zero_stage, self.lora is not None):
             raise ValueError(
@@ -389,12 +356,13 @@ class DeepSpeedTrainer(TorchTrainer):
                 f"lora={layout[2]}; this trainer has num_processes={self.world_size}, zero_stage={self.zero_stage}, "
                 f"lora={self.lora is not None} (DeepSpeed's optimizer shards need the same layout)"
             )
-        shards = _shard_folder(path)
+        storage, path = checkpoint_storage(uri, self.storage_options, self.weight_store)
+        fs, shards = storage.fs, _shard_folder(path)
         with tempfile.TemporaryDirectory(prefix="miles-ds-load-") as tmp:
             local = Path(tmp) / _ENGINE_TAG
             local.mkdir()
-            for remote in self._io(fs, shards, lambda: fs.ls(shards, detail=False)):
-                self._io(fs, remote, lambda: fs.get_file(remote, str(local / posixpath.basename(remote))))
+            for remote in storage.call(lambda: fs.ls(shards, detail=False), shards):
+                storage.call(lambda: fs.get_file(remote, str(local / posixpath.basename(remote))), remote)
             loaded, _ = self.engine.load_checkpoint(
                 tmp, tag=_ENGINE_TAG, load_module_strict=self.lora is None, load_optimizer_states=True,
                 load_lr_scheduler_states=False,

@@ -54,23 +54,16 @@ class TrainerProcessError(RuntimeError):
     """A rank of a launched trainer failed, exited, or did not start in time."""
 
 
-def setup_deepspeed(
-    model_dir: str,
-    train_cfg: TrainConfig,
-    weight_store: Any,
-    dtype: str = "float32",
-    initial_version: int = 0,
-    storage_options: dict[str, Any] | None = None,
-    lora: LoraConfig | None = None,
-) -> Trainer:
-    """The DeepSpeed trainer of ``train_cfg.backend``: in this process, or launched over several."""
+def setup_deepspeed(model_dir: str, train_cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
+    """The DeepSpeed trainer of ``train_cfg.backend``: in this process, or launched over several
+    (the arguments are ``LaunchedTrainer``'s)."""
     backend = train_cfg.backend
     assert isinstance(backend, DeepSpeedTrainerConfig)
     if backend.num_processes == 1:
         from miles_core.train.deepspeed_trainer import DeepSpeedTrainer
 
-        return DeepSpeedTrainer(model_dir, train_cfg, weight_store, dtype, initial_version, storage_options, lora)
-    return LaunchedTrainer(model_dir, train_cfg, weight_store, dtype, initial_version, storage_options, lora)
+        return DeepSpeedTrainer(model_dir, train_cfg, *args, **kwargs)
+    return LaunchedTrainer(model_dir, train_cfg, *args, **kwargs)
 
 
 class LaunchedTrainer:

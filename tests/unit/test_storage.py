@@ -13,13 +13,13 @@ import pytest
 from contract.storage_contract import StorageContract, assert_same_tensors, make_samples, state_dict
 from miles_core.storage import RunLayout, SampleStream, WeightStore, new_run_id
 from miles_core.storage.fs import (
+    RetryingFS,
     RetryPolicy,
     StorageUnavailableError,
     atomic_write,
     is_transient,
     join,
     list_names,
-    with_retries,
 )
 from miles_core.storage.layout import CHECKPOINT_STATE, TRAINER_STATE, checkpoint_dir
 
@@ -54,16 +54,16 @@ def test_retries_are_bounded_and_skip_permanent_errors(tmp_path):
         return "ok"
 
     policy = RetryPolicy(attempts=4, initial_delay=0.001, deadline=5)
-    assert with_retries(flaky, "obj", fs, policy) == "ok" and len(calls) == 3
+    assert RetryingFS(fs, policy).call(flaky, "obj") == "ok" and len(calls) == 3
     def down():
         raise ConnectionRefusedError("connection refused")
 
     with pytest.raises(StorageUnavailableError, match="obj: storage endpoint .* after 4 attempt"):
-        with_retries(down, "obj", fs, RetryPolicy(attempts=4, initial_delay=0.001))
+        RetryingFS(fs, RetryPolicy(attempts=4, initial_delay=0.001)).call(down, "obj")
     for permanent in (FileExistsError("x"), FileNotFoundError("x"), ValueError("corrupt")):
         assert not is_transient(permanent)
         with pytest.raises(type(permanent)):
-            with_retries(lambda: (_ for _ in ()).throw(permanent), "obj", fs, policy)
+            RetryingFS(fs, policy).call(lambda: (_ for _ in ()).throw(permanent), "obj")
 
 
 def test_local_atomic_write_leaves_no_temp_files(tmp_path):
@@ -302,7 +302,7 @@ def test_a_damaged_segment_is_found_moved_aside_and_its_offset_never_reused(root
 def test_refused_access_and_a_missing_bucket_name_the_object_the_endpoint_and_what_to_check():
     import s3fs
 
-    from miles_core.storage.fs import BucketMissingError, with_retries
+    from miles_core.storage.fs import BucketMissingError
 
     fs = s3fs.S3FileSystem(key="k", secret="s", client_kwargs={"endpoint_url": "http://store:9000"})
 
@@ -311,11 +311,11 @@ def test_refused_access_and_a_missing_bucket_name_the_object_the_endpoint_and_wh
 
     with pytest.raises(PermissionError, match=r"s3://b/run/x: storage endpoint http://store:9000 refused access "
                                               r"\(Access Denied\); check the credentials"):
-        with_retries(refused, "s3://b/run/x", fs)
+        RetryingFS(fs).call(refused, "b/run/x")
 
     def gone():
         raise FileNotFoundError("The specified bucket does not exist")
 
     with pytest.raises(BucketMissingError, match=r"s3://b/run/x: bucket 'b' does not exist on storage endpoint "
                                                  r"http://store:9000 .*restarted without its data"):
-        with_retries(gone, "s3://b/run/x", fs)
+        RetryingFS(fs).call(gone, "b/run/x")
