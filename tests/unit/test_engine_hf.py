@@ -235,7 +235,7 @@ def test_bad_sampling_params_raise(engine, bad, message):
 
 
 def test_sample_tokens_by_hand():
-    from miles_core.engines.hf import sample_tokens
+    from miles_core.engines.hf_decode import sample_tokens
 
     # probabilities [0.5, 0.3, 0.15, 0.05]; T = 1 keeps them
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]]).repeat(2, 1)
