@@ -9,14 +9,13 @@ loaded from the same folder recomputes logprobs and greedy continuations with pl
 from __future__ import annotations
 
 import asyncio
-import inspect
 import re
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 import torch
+from waiting import eventually
 
 from miles_core.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
@@ -401,7 +400,8 @@ class EngineContract:
                                                                    *others])
             # mid-request: the greedy rows have tokens (an engine may run the seeded ones after them)
             await self.until(engine, first_tokens=before.first_tokens + len(PROMPTS) + len(others[0]))
-            late = asyncio.create_task(engine.generate(requests(tok, greedy_params())))
+            # long enough that it is still queued or running when cancelled, however fast the engine
+            late = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=2000))))
             await self.until(engine, received=before.received + len(PROMPTS) * 2 + sum(map(len, others)))
             for task in (cancelled, late):
                 task.cancel()
@@ -424,21 +424,22 @@ class EngineContract:
         assert engine.weight_version == 0
 
 
+class UnseenProgress:
+    """Mix in before ``EngineContract`` for a server whose progress a test cannot read (vLLM's
+    ``/metrics`` stay at 0 under the launcher's settings; a real SGLang server serves them only with
+    ``--enable-metrics``): ``until`` then waits ``progress_s``, long enough for calls to reach the
+    server and for running requests to sample a token."""
+
+    progress_s = 0.2
+
+    async def until(self, engine, received: int = 0, first_tokens: int = 0, timeout: float = 30) -> None:
+        await asyncio.sleep(self.progress_s)
+
+    async def counts(self, engine) -> Counts:
+        return Counts(0, 0)
+
+
 # ---------------------------------------------------------------------------------- helpers
-
-
-async def eventually(condition: Callable[[], Any], timeout: float = 30, what: str = "the condition") -> None:
-    """Wait until ``condition()`` (a function, or a coroutine function) is true; fail after
-    ``timeout`` seconds. How tests wait for an engine to reach a state, instead of sleeping."""
-    deadline = time.monotonic() + timeout
-    while True:
-        done = condition()
-        if inspect.isawaitable(done):
-            done = await done
-        if done:
-            return
-        assert time.monotonic() < deadline, f"not reached within {timeout} s: {what}"
-        await asyncio.sleep(0.005)
 
 
 def build_server_model(folder) -> str:

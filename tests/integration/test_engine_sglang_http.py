@@ -16,7 +16,9 @@ import time
 
 import httpx
 import pytest
-from contract.engine_contract import PROMPTS, Counts, EngineContract, eventually, greedy_params, requests
+from contract.engine_contract import PROMPTS, Counts, EngineContract, greedy_params, requests
+
+from waiting import eventually
 
 from miles_core.config import SGLangEngineConfig
 from miles_core.engines import setup_engine

@@ -10,13 +10,14 @@ import torch
 from contract.engine_contract import (
     PROMPTS,
     EngineContract,
-    eventually,
     greedy_params,
     perturbed_state,
     requests,
     save_snapshot,
     seeded_params,
 )
+
+from waiting import eventually
 
 from miles_core.config import HFEngineConfig
 from miles_core.engines import setup_engine
