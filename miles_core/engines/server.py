@@ -28,6 +28,8 @@ Endpoints (SGLang 0.5.x shapes):
   {``lora_name``, ``lora_path``} (a PEFT adapter folder; ``lora_path`` in ``/generate`` then names
   the adapter a request uses), ``POST /flush_cache`` (no cache: a no-op),
   ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_weight_version``.
+- ``GET /stats`` (this server's own, not SGLang's): the engine's ``EngineStats`` as a JSON object
+  (requests received, first tokens sampled, dispatches, ...), so a client can follow its progress.
 
 Where it differs from SGLang: no continuous batching (a request that arrives while a batch runs
 waits for the next one, as in ``HFEngine``); ``in_place`` and ``retract`` pauses let the running
@@ -45,6 +47,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -118,6 +121,7 @@ def build_app(engine: HFEngine, model_path: str) -> Starlette:
         ("/health_generate", h.health, ["GET"]),
         ("/get_model_info", h.get_model_info, ["GET"]),
         ("/get_weight_version", h.get_weight_version, ["GET"]),
+        ("/stats", h.stats, ["GET"]),
     ]
     routes = [Route(path, _refusing_bad_requests(fn), methods=methods) for path, fn, methods in endpoints]
     return Starlette(routes=routes, lifespan=lifespan)
@@ -255,6 +259,9 @@ class _Handlers:
 
     async def get_weight_version(self, request: Request) -> Response:
         return _json({"weight_version": str(self.engine.weight_version)})
+
+    async def stats(self, request: Request) -> Response:
+        return _json(dataclasses.asdict(self.engine.stats))
 
 
 # --------------------------------------------------------------------------- request parsing

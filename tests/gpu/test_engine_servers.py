@@ -12,11 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from contract.engine_contract import EngineContract, build_server_model
+from waiting import wait_for
+from contract.engine_contract import EngineContract, UnseenProgress, build_server_model
 
 from miles_core import processes
 from miles_core.config import SGLangEngineConfig, VLLMEngineConfig
@@ -73,13 +73,14 @@ class SGLangServer:
         cmd = [self.python, str(watchdog), "--parent-pid", str(os.getpid()), "--log", self.log, "--",
                self.python, "-m", "sglang.launch_server", *launch_args(self.model_dir, port=self.port, seed=self.seed)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while _http(f"{self.url}/health", timeout=2) != 200:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = Path(self.log).read_text(errors="replace")[-3000:] if Path(self.log).exists() else ""
-                self.stop()
-                raise RuntimeError(f"SGLang server did not start ({self.log}):\n{tail}")
-            time.sleep(1)
+        try:
+            wait_for(lambda: _http(f"{self.url}/health", timeout=2) == 200 or self.proc.poll() is not None, 300,
+                     "the SGLang server's /health", poll=1)
+            assert self.proc.poll() is None, f"SGLang server exited with code {self.proc.returncode}"
+        except AssertionError as e:
+            tail = Path(self.log).read_text(errors="replace")[-3000:] if Path(self.log).exists() else ""
+            self.stop()
+            raise RuntimeError(f"SGLang server did not start ({self.log}): {e}\n{tail}") from None
         return self
 
     def stop(self) -> None:
@@ -90,8 +91,7 @@ class SGLangServer:
 
 @needs_cuda
 @pytest.mark.skipif(engine_python("sglang") is None, reason="needs sglang (pip install sglang; or MILES_SGLANG_PYTHON)")
-class TestSGLangServerContract(EngineContract):
-    call_arrival_s = 0.2
+class TestSGLangServerContract(UnseenProgress, EngineContract):
     logprob_atol = 1e-3
 
     @pytest.fixture(scope="class")
@@ -115,8 +115,7 @@ class TestSGLangServerContract(EngineContract):
 
 @needs_cuda
 @pytest.mark.skipif(engine_python("vllm") is None, reason="needs vllm (pip install vllm; or MILES_VLLM_PYTHON)")
-class TestVLLMServerContract(EngineContract):
-    call_arrival_s = 0.2
+class TestVLLMServerContract(UnseenProgress, EngineContract):
     logprob_atol = 1e-3
     truncation_renormalises_logprobs = True
 

@@ -9,23 +9,13 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 from pathlib import Path
 
+from waiting import wait_for  # noqa: F401 (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    """``predicate()``'s first truthy value within ``timeout`` seconds, else an AssertionError."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def task_run_names(flow_run_id, expected: set[str], timeout: float = 30) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +55,7 @@ class _Logged(logging.Handler):
 
 def _freeze(tmp_path: Path, after_steps: int, seconds: float | None, witness: dict) -> threading.Thread:
     def run() -> None:
-        deadline = time.monotonic() + 300
-        while _steps(tmp_path) < after_steps and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: _steps(tmp_path) >= after_steps, 300, f"{after_steps} steps", poll=0.05)
         server = _server()
         witness["frozen_at_step"] = _steps(tmp_path)
         server.send_signal(signal.SIGSTOP)

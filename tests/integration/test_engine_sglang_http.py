@@ -16,7 +16,9 @@ import time
 
 import httpx
 import pytest
-from contract.engine_contract import PROMPTS, EngineContract, greedy_params, requests
+from contract.engine_contract import PROMPTS, Counts, EngineContract, greedy_params, requests
+
+from waiting import eventually
 
 from miles_core.config import SGLangEngineConfig
 from miles_core.engines import setup_engine
@@ -60,8 +62,16 @@ async def restore(server, model_dir) -> None:
     await eng.close()
 
 
+async def server_counts(url: str) -> Counts:
+    """The stand-in server's ``/stats`` as the contract's ``Counts``."""
+    async with httpx.AsyncClient() as http:
+        stats = (await http.get(f"{url}/stats", timeout=10)).json()
+    return Counts(stats["requests_received"], stats["first_tokens"])
+
+
 class TestSGLangEngineContract(EngineContract):
-    call_arrival_s = 0.2
+    async def counts(self, engine) -> Counts:
+        return await server_counts(engine.url)
 
     @pytest.fixture
     def engine(self, server, tiny_model_dir):
@@ -144,8 +154,13 @@ def test_a_disconnected_client_leaves_the_running_batch(server, tok):
     # the call would run for minutes; the short one after it is dispatched only once the batch ends
     async def body():
         eng = client(server)
+        before = await server_counts(server.url)
         long = asyncio.create_task(eng.generate(requests(tok, greedy_params(max_new_tokens=10**5))))
-        await asyncio.sleep(0.5)
+
+        async def decoding():
+            return (await server_counts(server.url)).first_tokens >= before.first_tokens + len(PROMPTS)
+
+        await eventually(decoding, what="the long call decodes")
         long.cancel()
         t0 = time.monotonic()
         short = await eng.generate(requests(tok, greedy_params(max_new_tokens=3)))

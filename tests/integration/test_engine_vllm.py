@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from contract.engine_contract import PROMPTS, EngineContract, build_server_model, requests
+from contract.engine_contract import PROMPTS, EngineContract, UnseenProgress, build_server_model, requests
+
+from waiting import wait_for
 
 from miles_core.config import VLLMEngineConfig
 from miles_core.engines.vllm import DEFAULT_PYTHON, SERVED_NAME, LocalVLLMServer, VLLMEngine
@@ -57,8 +58,7 @@ async def restore(server, model_dir: str) -> None:
     await eng.close()
 
 
-class TestVLLMEngineContract(EngineContract):
-    call_arrival_s = 0.2
+class TestVLLMEngineContract(UnseenProgress, EngineContract):
     truncation_renormalises_logprobs = True  # vLLM's processed_logprobs: see miles_core/engines/vllm.py
     logprob_atol = 2e-4
     """vLLM's CPU kernels (its own attention, fused ops) differ from a transformers forward in the
@@ -126,10 +126,7 @@ def test_adapters_serve_by_name_beside_the_base_model(server, tiny_model_dir, to
             q.adapter, q.rid = name, f"{name}-{q.rid}"
             mixed.append(q)
     async def together():  # queued while paused: one batch of base and adapter requests
-        await eng.pause()
-        task = asyncio.create_task(eng.generate(mixed))
-        await asyncio.sleep(0.3)
-        await eng.resume()
+        (task,) = await TestVLLMEngineContract().start_together(eng, [mixed])  # the contract's way
         return await task
 
     results = asyncio.run(together())
@@ -169,10 +166,7 @@ def test_a_killed_run_leaves_no_vllm_process_behind(tiny_model_dir, tmp_path):
         assert len(_group(group)) >= 3, "expected vLLM's API server, engine core and worker in one group"
         run.send_signal(signal.SIGKILL)
         run.wait()
-        deadline = time.monotonic() + 30
-        while _group(group) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _group(group), f"vLLM processes outlived the run: {[_cmdline(p) for p in _group(group)]}"
+        wait_for(lambda: not _group(group), 30, "vLLM's processes to end with the run")
     finally:
         run.kill()
 

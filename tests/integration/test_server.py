@@ -10,6 +10,7 @@ Each start takes ~7-10 s; the file runs in ~30 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import pytest
 
 # ``postgres_server`` resolves because pytest puts tests/integration (no __init__.py) on sys.path.
 from postgres_server import postgres_prefect_server
+from waiting import eventually, wait_for
 
 from deployments.server import EXIT_NOT_RUNNING, LocalServer, postgres_bin_dir
 from miles_core import processes
@@ -130,11 +132,14 @@ async def _read_back(client, flow_run_id) -> tuple:
 
     flow_run = await client.read_flow_run(flow_run_id)
     task_runs = []
-    for _ in range(40):  # task-run states are recorded from events, a moment after the flow ends
+
+    async def both_completed() -> bool:  # task-run states are recorded from events, a moment after the flow ends
+        nonlocal task_runs
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        if len(task_runs) == 2 and all(t.state and t.state.is_completed() for t in task_runs):
-            break
-        await asyncio.sleep(0.25)
+        return len(task_runs) == 2 and all(t.state and t.state.is_completed() for t in task_runs)
+
+    with contextlib.suppress(AssertionError):  # the caller's assertions say what is missing
+        await eventually(both_completed, timeout=10)
     return flow_run, task_runs
 
 
@@ -319,13 +324,11 @@ def test_a_server_beyond_loopback_needs_an_auth_string_and_strangers_are_refused
     run_id = next(w for w in out.replace("'", " ").split() if len(w) == 36 and w.count("-") == 4)
     with served(["-m", "prefect", "worker", "start", "--pool", "auth-pool", "--type", "process"], api,
                 env={"PREFECT_API_AUTH_STRING": auth}):
-        deadline = time.monotonic() + 120
-        state = None
-        while time.monotonic() < deadline:
+        def final_state():
             state = _api(f"{api}/flow_runs/{run_id}", auth=auth)[1]["state"]["type"]
-            if state in ("COMPLETED", "FAILED", "CRASHED"):
-                break
-            time.sleep(0.5)
+            return state if state in ("COMPLETED", "FAILED", "CRASHED") else None
+
+        state = wait_for(final_state, 120, "the flow run to end")
     assert state == "COMPLETED", state
     assert _api(f"{api}/flow_runs/{run_id}")[0] == 401
     assert miles_server("stop", "--home", str(home)).returncode == 0

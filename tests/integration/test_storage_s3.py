@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from contract.storage_contract import StorageContract, make_samples
+from waiting import wait_for
 from miles_core.storage import SampleStream
 from miles_core.storage.fs import RetryPolicy, StorageUnavailableError
 from miles_core.storage.local_s3 import LocalS3
@@ -172,9 +173,7 @@ def test_a_fully_async_run_survives_an_s3_outage_longer_than_a_request_retry(pre
         return len(direct.cat_file(metrics).decode().splitlines()) if direct.exists(metrics) else 0
 
     def outage():
-        deadline = time.monotonic() + 300
-        while steps() < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: steps() >= 3, 300, "three steps", poll=0.2)
         witness["cut_at_step"] = steps()
         proxy.cut()
         time.sleep(30)
@@ -220,12 +219,11 @@ def test_a_bucket_gone_mid_run_fails_naming_the_bucket_the_endpoint_and_the_obje
     witness: dict[str, int] = {}
 
     def wipe():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        def two_steps() -> bool:
             direct.invalidate_cache()
-            if direct.exists(metrics) and len(direct.cat_file(metrics).splitlines()) >= 2:
-                break
-            time.sleep(0.2)
+            return direct.exists(metrics) and len(direct.cat_file(metrics).splitlines()) >= 2
+
+        wait_for(two_steps, 300, "two steps", poll=0.2)
         witness["steps"] = len(direct.cat_file(metrics).splitlines())
         s3.restart()
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from typing import Any
 
 import pytest
 import torch
 from doubles.scripted_engine import ScriptedEngine
+from waiting import wait_for
 
 from miles_core.config import FullyAsyncMode, RunConfig
 from miles_core.engines.base import SamplingParams
@@ -136,12 +136,11 @@ class Harness:
         self.weights.publish(version, {"w": torch.full((2,), float(version))})
 
     def wait_until(self, predicate, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
+        def reached():
             self.check()
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not reached in time")
-            time.sleep(0.01)
+            return predicate()
+
+        wait_for(reached, timeout, "the condition", poll=0.01)
 
     def held_again(self) -> None:
         """Wait until the producer has found itself at its bound once more: it looked at the
@@ -461,8 +460,7 @@ def test_a_producer_keeps_beating_while_a_pause_waits_for_its_generations(harnes
 def test_partial_rollout_continues_under_new_weights_with_stamped_spans(harness):
     engine = ScriptedEngine(token_latency=0.02, script=lambda req: [1] * (10 - (len(req.prompt_ids) - 3)))
     h = harness(engine=engine, max_new_tokens=10, partial_rollout=True).start()
-    h.wait_until(lambda: len(engine.requests) >= 2)
-    time.sleep(0.07)  # a few tokens into the first requests
+    h.wait_until(lambda: len(engine.requests) >= 2 and engine.tokens_out >= 6)  # a few tokens into the first requests
     h.publish(1)
     batch = h.feed().next_batch(4, trainer_version=1)
     h.stop()

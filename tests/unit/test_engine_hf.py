@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import math
 
 import pytest
@@ -17,6 +16,8 @@ from contract.engine_contract import (
     save_snapshot,
     seeded_params,
 )
+
+from waiting import eventually
 
 from miles_core.config import HFEngineConfig
 from miles_core.engines import setup_engine
@@ -123,25 +124,27 @@ def test_a_request_during_an_adapter_replacement_waits_for_the_new_version(tiny_
 
     asyncio.run(engine.load_adapter("math", make_adapter(tiny_model_dir, tmp_path / "v1", seed=1), version=1))
     v2 = make_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
-    install, mid_replacement = engine._install_adapter, threading.Event()
+    install, mid_replacement, release = engine._install_adapter, threading.Event(), threading.Event()
 
-    def slow_install(name, uri):  # the replacement, held between removing the old version and adding the new
+    def held_install(name, uri):  # the replacement, held between removing the old version and adding the new
         engine.model.delete_adapter(name)
         mid_replacement.set()
-        time.sleep(0.3)
+        release.wait(30)
         install(name, uri)
 
-    engine._install_adapter = slow_install
+    engine._install_adapter = held_install
     prompt = engine.tokenizer.encode(PROMPTS[0])
 
     async def scenario():
         load = asyncio.ensure_future(engine.load_adapter("math", v2, version=2))
-        while not mid_replacement.is_set():
-            await asyncio.sleep(0.005)
+        assert await asyncio.to_thread(mid_replacement.wait, 30)
         assert "math" not in engine.adapters  # the name is gone from the model right now
-        got = await engine.generate([GenerateRequest(prompt, greedy_params(), rid="r", adapter="math")])
+        received = engine.stats.requests_received
+        got = asyncio.ensure_future(engine.generate([GenerateRequest(prompt, greedy_params(), rid="r", adapter="math")]))
+        await eventually(lambda: engine.stats.requests_received > received, what="the request reaches the engine")
+        release.set()
         await load
-        return got
+        return await got
 
     (result,) = asyncio.run(scenario())
     assert result.weight_version == 2
@@ -235,7 +238,7 @@ def test_bad_sampling_params_raise(engine, bad, message):
 
 
 def test_sample_tokens_by_hand():
-    from miles_core.engines.hf import sample_tokens
+    from miles_core.engines.hf_decode import sample_tokens
 
     # probabilities [0.5, 0.3, 0.15, 0.05]; T = 1 keeps them
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]]).repeat(2, 1)
@@ -268,11 +271,10 @@ def run_concurrently(engine, calls: list[list[GenerateRequest]]):
 
 
 async def start_batch(engine, reqs: list[GenerateRequest]) -> asyncio.Task:
-    """A ``generate`` task, returned once its batch has started (later calls queue behind it)."""
-    dispatches = engine.stats.dispatches
+    """A ``generate`` task, returned once every request has its first token (later calls queue behind it)."""
+    first_tokens = engine.stats.first_tokens
     task = asyncio.create_task(engine.generate(reqs))
-    while engine.stats.dispatches == dispatches:
-        await asyncio.sleep(0)
+    await eventually(lambda: engine.stats.first_tokens >= first_tokens + len(reqs), what="the batch decodes")
     return task
 
 
@@ -314,11 +316,12 @@ def test_pause_waits_for_the_running_batch_and_holds_calls_queued_behind_it(engi
 
     async def body():
         running = await start_batch(engine, requests(tok, greedy_params(max_new_tokens=300)))
+        received = engine.stats.requests_received
         queued = asyncio.create_task(engine.generate(requests(tok, greedy_params(max_new_tokens=3))))
-        await asyncio.sleep(0)
+        await eventually(lambda: engine.stats.requests_received > received, what="the call is queued")
         await engine.pause()
         state = running.done(), queued.done(), engine.stats.dispatches
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the time it is held for
         held = not queued.done()
         await engine.resume()
         return state, held, await asyncio.wait_for(queued, 10)
@@ -332,7 +335,6 @@ def test_a_cancelled_call_leaves_the_running_batch(engine):
     # its rows would take minutes to finish: pause() returns only because they stopped
     async def body():
         task = await start_batch(engine, requests(engine.tokenizer, greedy_params(max_new_tokens=10**5)))
-        await asyncio.sleep(0.02)
         task.cancel()
         await asyncio.wait_for(engine.pause(), 10)
         await engine.resume()
@@ -350,7 +352,6 @@ def test_each_result_carries_the_version_of_the_weights_that_made_it(engine, tmp
     async def body():
         running = await start_batch(engine, requests(tok, greedy_params(max_new_tokens=300)))
         update = asyncio.create_task(engine.update_weights(str(path), 1))
-        await asyncio.sleep(0.01)
         queued = asyncio.create_task(engine.generate(probe))  # runs before or after the load
         return await asyncio.wait_for(asyncio.gather(running, queued, update), 30)
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from miles_core import processes
 from miles_core.rewards import get_reward, group_reward, register_reward, score_groups
@@ -249,8 +250,7 @@ def test_sync_reward_runs_off_the_event_loop_thread():
 
 def test_async_reward():
     async def fn(s: Sample) -> float:
-        await asyncio.sleep(0)
-        return float(len(s.response))
+        return float(await asyncio.to_thread(len, s.response))
 
     groups = groups_of(["ab", "abc"])
     stats = asyncio.run(score_groups(fn, groups))
@@ -499,17 +499,11 @@ def test_a_worker_whose_parent_is_killed_mid_call_ends_itself():
         idle = _syscall(worker)
         parent.stdin.write("go\n")
         parent.stdin.flush()
-        deadline = time.monotonic() + 30
-        while _syscall(worker) == idle and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _syscall(worker) != idle, "the call never reached the worker"
+        wait_for(lambda: _syscall(worker) != idle, 30, "the call to reach the worker", poll=0.05)
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 30
-    while processes.alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not processes.alive(worker), "the orphaned worker went on with its call"
+    wait_for(lambda: not processes.alive(worker), 30, "the orphaned worker to end its call", poll=0.1)
 
 
 def test_one_pathological_answer_beside_63_easy_ones_leaves_the_63_scored():
