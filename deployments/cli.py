@@ -230,7 +230,7 @@ def _train(command: str, cfg) -> int:
 
 
 def format_multi_lora_summary(summary: dict) -> str:
-    from flows.multi_lora import accuracy_table
+    from miles_core.multi_lora import accuracy_table
 
     return "\n".join([
         "",

@@ -20,6 +20,10 @@ and its cursors on the run's streams; the same run id again (after a crash, a Ct
 larger ``--num-rollout``) settles what the earlier producer left (``resume-adapters``) and goes on
 with every adapter from its own checkpoint. Every adapter writes a prompt ledger
 (``adapters/<name>/ledger/``); the run's summary has their audit (``miles audit RUN``).
+
+The flow holds no run: its tasks record each adapter's steps (``record-step``), end the run
+(``finish-run``) and stop it (``stop-adapter``, ``stop-run``); the live reports read the adapters'
+files. It keeps the run's live controls only: the producer's stop and each adapter's leaving.
 """
 
 import contextvars
@@ -28,24 +32,30 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_at_end, audit_line, raise_if_unbalanced
-from miles_core.multi_lora import adapter_summary, close_multi_lora_run, get_multi_lora_run
-from miles_core.report import curves_png, data_url, reward_points, run_curves
+from miles_core.ledger import raise_if_unbalanced
+from miles_core.multi_lora import (
+    adapter_history,
+    close_multi_lora_run,
+    get_multi_lora_run,
+)
 from miles_core.run import RunRefs, checkpoint_due
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.multi_lora import (
     check_data,
     evaluate_adapter,
     evaluate_base,
+    finish_run,
+    record_adapter_step,
     resume_adapters,
     rollout_producer,
     save_adapter_checkpoint,
+    stop_adapter,
+    stop_run,
     train_adapter,
 )
 from tasks.slots import run_slots
@@ -60,27 +70,25 @@ def _eval_due(cfg: RunConfig, step: int) -> bool:
 def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> dict[str, Any]:
     """Train adapter ``name`` from step ``start`` to ``rollout.num_rollout`` from the run's streams."""
     log = get_run_logger()
-    session = get_multi_lora_run(cfg, refs).adapters[name]
-    if session.resume_error is not None:  # its trainer could not be built or put back
-        raise session.resume_error
     total = cfg.rollout.num_rollout
-    c = quote(cfg)  # as in flows/train.py: the tasks' config, not introspected by Prefect on every call
-    live = LiveReport(f"{cfg.name}/{name}", artifact_key(cfg.name, refs.run_id, name), total, start, session.history,
+    c, r, n = quote(cfg), quote(refs), quote(name)  # as in flows/train.py: not introspected by Prefect on every call
+    history = adapter_history(cfg, refs, name)
+    live = LiveReport(f"{cfg.name}/{name}", artifact_key(cfg.name, refs.run_id, name), total, start, history,
                       cfg.tracking.live_every_s)
     for step in range(start, total):
         if stop_requested():  # Ctrl-C or SIGTERM of `miles train-multi-lora`
             return cancelled(_stopped(cfg, refs, name, step))
         t0 = time.perf_counter()
-        try:
-            ref = train_adapter(c, refs, name, step)
+        try:  # (an adapter that could not be resumed fails here)
+            ref = train_adapter(c, r, n, quote(step))
         except RunStopped:  # asked to stop while waiting for data: the groups it read stay for a resumed run
             return cancelled(_stopped(cfg, refs, name, step))
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
         if _eval_due(cfg, step):
-            row["eval_accuracy"] = evaluate_adapter(c, refs, name, step + 1)["accuracy"]
-        session.history.record(step + 1, row)
+            row["eval_accuracy"] = evaluate_adapter(c, r, n, quote(step + 1))["accuracy"]
+        record_adapter_step(c, r, n, quote(step + 1), quote(row))
         if checkpoint_due(cfg, step + 1):
-            save_adapter_checkpoint(c, refs, name, step + 1)
+            save_adapter_checkpoint(c, r, n, quote(step + 1))
         line = (f"{name} step {step + 1:>3}/{total} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f}"
                 f" | waited {row['trainer_wait_seconds']:.1f}s | staleness max {row.get('staleness_max', 0):.0f}")
         if "eval_accuracy" in row:
@@ -88,18 +96,14 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
         log.info(line)
         live.step_done(step + 1)
     live.finish()
-    return {"name": name, "steps": total, "version": session.training.trainer.version}
+    rows = history.metrics_rows  # a resumed adapter's rows go back to its checkpoint, with its version
+    return {"name": name, "steps": total, "version": rows[-1]["version"] if rows else 0}
 
 
 def _stopped(cfg: RunConfig, refs: RunRefs, name: str, done: int) -> RunStopped:
-    """Adapter ``name`` was asked to stop after step ``done``: checkpoint it there if the run keeps them."""
-    text = f"adapter {name} stopped after step {done} of {cfg.rollout.num_rollout}, as asked"
-    session = get_multi_lora_run(cfg, refs).adapters[name]
-    if done == 0 or cfg.checkpoint.save_interval is None:
-        return RunStopped(f"{text}; no checkpoint", refs.run_id)
-    if done not in session.layout.checkpoints():
-        save_adapter_checkpoint(cfg, refs, name, done)
-    return RunStopped(f"{text}; checkpoint at step {done}: {session.layout.checkpoint(done)}", refs.run_id, done)
+    """Adapter ``name`` was asked to stop after step ``done`` (``stop-adapter`` checkpoints it there)."""
+    text, step = stop_adapter(quote(cfg), quote(refs), quote(name), quote(done))
+    return RunStopped(text, refs.run_id, step)
 
 
 @flow(name="train-multi-lora", flow_run_name=flow_run_name, validate_parameters=True)
@@ -111,66 +115,42 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
         raise ValueError("train_multi_lora needs a config with multi_lora (--lora-count N, or [multi_lora] adapters)")
     t_start = time.perf_counter()
     cfg, refs = begin_run(cfg)
-    run = get_multi_lora_run(cfg, refs)
+    c, r = quote(cfg), quote(refs)
     log.info("multi-LoRA run %s: %s; adapters %s, rollout source %s", refs.run_id, refs.run_dir,
-             ", ".join(run.names), cfg.multi_lora.rollout_source)
+             ", ".join(cfg.multi_lora.names), cfg.multi_lora.rollout_source)
     try:
-        counts = check_data(cfg, refs)
+        counts = check_data(c, r)
         log.info("prompts: %d for training, %d held out", counts["train_prompts"], counts["eval_prompts"])
         with run_slots(cfg):  # the rollout engine and the trainers, for the run's length
-            resumed = resume_adapters(cfg, refs)
+            resumed = resume_adapters(c, r)
             starts = resumed["steps"]
             if any(starts.values()) or resumed["returned"] or resumed["adopted"]:
                 log.info("resuming run %s: adapters from steps %s; %d prompts the earlier start claimed and never "
                          "wrote went back to the pool, %d partial groups it saved are continued", refs.run_id,
                          ", ".join(f"{n} {k}" for n, k in starts.items()), resumed["returned"], resumed["adopted"])
-            before = _before_training(cfg, refs, run, starts, log)
-            producer = rollout_producer.submit(cfg, refs)
+            if not any(starts.values()) and not cfg.eval.skip_eval_before_train:  # a resumed run has it in its history
+                before = evaluate_base(c, r)
+                log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
+            producer = rollout_producer.submit(c, r)
+            run = get_multi_lora_run(cfg, refs)  # its live controls: the producer's stop, each adapter's leaving
             try:
                 states = _run_adapters(cfg, refs, run, starts, log)
             finally:  # the producer stops before the run's slots go
                 run.stop_producer()
                 producer.wait(timeout=120)
         if stop_requested():  # asked to stop: Cancelled, with where each adapter can resume from
-            return cancelled(_run_stopped(cfg, refs, run))
-        run.check_producer()  # a dead producer fails the run with its own error
-        summary = _summary(cfg, refs, run, before, time.perf_counter() - t_start)
-        summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, log)
-        run.finish(summary)
-        run.layout.write_text("adapters.md", _report(cfg, summary))
-        create_markdown_artifact(_report(cfg, summary), key=None, description=f"{cfg.name}: multi-LoRA summary")
-        _publish_table(cfg, summary)
-        _publish_curves(cfg, run, summary)
-        failed = sorted(run.failed)
+            text, step = stop_run(c, r)
+            return cancelled(RunStopped(text, refs.run_id, step))
+        summary = finish_run(c, r, quote(time.perf_counter() - t_start))  # a dead producer fails the run here
+        failed = summary["failed_adapters"]
         if failed:
             log.error("adapters failed: %s (the others completed; see summary.json)", ", ".join(failed))
-        if len(failed) == len(run.names):
+        if len(failed) == len(cfg.multi_lora.names):
             states[failed[0]].result()  # every adapter failed: the run fails with the first one's error
         raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary
     finally:
         close_multi_lora_run(refs)
-
-
-def _before_training(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], log) -> dict[str, Any] | None:
-    """The base model's evaluation: run now on a fresh run; a resumed run takes it from its history."""
-    if any(starts.values()):
-        return next((e for e in run.history.eval_rows if e["step"] == 0), None)
-    if cfg.eval.skip_eval_before_train:
-        return None
-    before = evaluate_base(cfg, refs)
-    log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
-    return before
-
-
-def _run_stopped(cfg: RunConfig, refs: RunRefs, run) -> RunStopped:
-    """What a stopped run says: where each adapter resumes from (its newest checkpoint)."""
-    text = f"multi-LoRA run {refs.run_id} stopped, as asked"
-    if cfg.checkpoint.save_interval is None:
-        return RunStopped(f"{text}; no checkpoint (set --save-interval N to make a run resumable)", refs.run_id)
-    saved = {n: (s.layout.checkpoints() or [0])[-1] for n, s in run.adapters.items()}
-    text += "; the adapters' checkpoints are at steps " + ", ".join(f"{n} {k}" for n, k in saved.items())
-    return RunStopped(text, refs.run_id, min(saved.values()) if any(saved.values()) else None)
 
 
 def _run_adapters(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], log) -> dict:
@@ -194,87 +174,3 @@ def _run_adapters(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], lo
         futures = {n: pool.submit(contextvars.copy_context().run, one, n) for n in run.names}
         return {n: f.result() for n, f in futures.items()}
 
-
-def _summary(cfg: RunConfig, refs: RunRefs, run, before, seconds: float) -> dict[str, Any]:
-    adapters = [adapter_summary(run.adapters[n], before, run.finished.get(n)) for n in run.names]
-    states = [run.layout.read_json(f"state/producer-{p}.json") or {} for p in run.producer_names()]
-    stats = [state.get("stats", {}) for state in states]  # every start's producer
-    return {
-        "run_id": refs.run_id,
-        "run_dir": refs.run_dir,
-        "rollout_source": cfg.multi_lora.rollout_source,
-        "steps": cfg.rollout.num_rollout,
-        "accuracy_before": before["accuracy"] if before else None,
-        "adapters": adapters,
-        "failed_adapters": sorted(run.failed),
-        "groups_generated": sum(s.get("groups_written", 0) for s in stats),
-        "samples_generated": sum(s.get("samples_finished", 0) for s in stats),
-        "training": run.training_summary(),
-        "seconds": round(seconds, 1),
-    }
-
-
-def accuracy_table(summary: dict[str, Any]) -> str:
-    """Held-out accuracy per evaluation step, one column per adapter (markdown)."""
-    adapters = summary["adapters"]
-    steps = sorted({s for a in adapters for s, _ in a["curve"]} | ({0} if summary["accuracy_before"] is not None else set()))
-    fmt = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
-    lines = ["| step | " + " | ".join(a["name"] for a in adapters) + " |", "|---:|" + "---:|" * len(adapters)]
-    for step in steps:
-        cells = []
-        for a in adapters:
-            value = summary["accuracy_before"] if step == 0 else dict(a["curve"]).get(step)
-            cells.append(fmt(value))
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _publish_table(cfg: RunConfig, summary: dict[str, Any]) -> None:
-    rows = [{k: a[k] for k in ("name", "status", "lr", "lora_rank", "steps", "final_version", "accuracy_before",
-                               "accuracy_after", "error")} for a in summary["adapters"]]
-    create_table_artifact(rows, key=None, description=f"{cfg.name}: adapters")
-
-
-def _publish_curves(cfg: RunConfig, run, summary: dict[str, Any]) -> None:
-    """An image per adapter (its reward and held-out accuracy per step, in ``adapters/<name>/curves.png``)
-    and one with every adapter side by side (``curves.png``)."""
-    reward = {}
-    for name, session in run.adapters.items():
-        png = run_curves(session.history.metrics_rows, session.history.eval_rows, f"{cfg.name}: adapter {name}")
-        url = session.layout.write_bytes("curves.png", png)
-        create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: adapter {name}, reward and held-out "
-                                                                   f"accuracy per step (also {url})")
-        reward[name] = reward_points(session.history.metrics_rows)
-    if len(reward) > 1 and len({tuple(points) for points in reward.values()}) == 1:
-        # shared rollouts: every adapter trained on the same base-generated batches, one line says it
-        reward = {"every adapter (shared rollouts)": next(iter(reward.values()))}
-    before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
-    accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
-    png = curves_png(reward, accuracy, f"{cfg.name}: every adapter")
-    url = run.layout.write_bytes("curves.png", png)
-    create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: every adapter side by side (also {url})")
-
-
-def _report(cfg: RunConfig, summary: dict[str, Any]) -> str:
-    """The run's markdown report: every adapter's held-out accuracy side by side."""
-    return "\n".join([
-        f"# Multi-LoRA run `{summary['run_id']}` ({cfg.name}, {summary['rollout_source']} rollouts)",
-        "",
-        "Held-out accuracy per adapter (step 0: the base model):",
-        "",
-        accuracy_table(summary),
-        "",
-        f"- failed adapters: {', '.join(summary['failed_adapters']) or 'none'}",
-        f"- groups generated (shared by all adapters): {summary['groups_generated']}",
-        f"- trained: {_training_line(summary['training'])}",
-        f"- prompt ledgers (`miles audit`): {audit_line(summary['audit'])}",
-        f"- run folder: `{summary['run_dir']}` (each adapter under `adapters/<name>/`)",
-        f"- wall time: {summary['seconds']} s",
-    ])
-
-
-def _training_line(training: dict[str, Any]) -> str:
-    if not training["shared_base"]:
-        return "a trainer (and a copy of the base) per adapter"
-    return (f"on one base model, {training['fused_steps']} fused steps of "
-            f"{training['adapters_per_fused_step']} adapters on average")

@@ -24,6 +24,10 @@
   Back-pressure counts from the slowest adapter still training (``live_cursor``): a slow adapter
   holds the others back by at most the buffer bound, and one that finished or failed no longer does.
 - ``mark_finished(name, error)``: an adapter leaves the run (done, or failed: the others go on).
+- The run's end: ``summary`` (with each adapter's line, ``AdapterSession.summary``), ``finish``
+  (``summary.json`` and its markdown ``report``, ``adapters.md``) and ``write_curves``; a stop:
+  ``stop_note`` (the run's) and ``AdapterSession.stop_note`` (an adapter's, checkpointed there).
+  ``adapter_history`` reads an adapter's history from its files (its subflow's live report).
 - Resuming: the producer takes its prompts from the run's prompt log (``fleet/claims/``, as a
   fleet member does) under a name of its own per start (``m0``, ``m1``, ...), and writes its own
   stream (``samples/rollout-m<k>/``). ``open_producers()`` settles the producers of earlier
@@ -44,7 +48,7 @@ from dataclasses import asdict
 from typing import Any
 
 from miles_core.config import RunConfig
-from miles_core.ledger import used_groups
+from miles_core.ledger import audit_line, used_groups
 from miles_core.rollout.fleet import (
     ControlPlane,
     FleetMonitor,
@@ -59,7 +63,7 @@ from miles_core.rollout.producer import ProducerMeter, RolloutProducer
 from miles_core.run import FRESH_FEED, RunRegistry, release_lease
 from miles_core.session.checkpoints import Checkpointer
 from miles_core.session.evals import Evaluator
-from miles_core.session.history import RunHistory
+from miles_core.session.history import HistoryFiles, RunHistory
 from miles_core.session.parts import (
     EngineLoop,
     LentWeights,
@@ -172,6 +176,34 @@ class AdapterSession:
         if version > 0:
             self.push_weights(self.training.weights_uri(version), version)
         return restored[0]
+
+    def stop_note(self, done: int) -> tuple[str, int | None]:
+        """The adapter was asked to stop after step ``done``: save a checkpoint there if the run keeps
+        them (and has none there yet); returns what to say and the step it resumes from (None: none)."""
+        cfg = self.run.cfg
+        text = f"adapter {self.name} stopped after step {done} of {cfg.rollout.num_rollout}, as asked"
+        if done == 0 or cfg.checkpoint.save_interval is None:
+            return f"{text}; no checkpoint", None
+        if done not in self.layout.checkpoints():
+            self.save_checkpoint(done)
+        return f"{text}; checkpoint at step {done}: {self.layout.checkpoint(done)}", done
+
+    def summary(self, before: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+        """The adapter's line of the run summary: status, accuracy before and after, its curve."""
+        evals = self.history.eval_rows
+        return {
+            "name": self.name,
+            "status": "failed" if error else "completed",
+            "error": error,
+            "steps": len(self.history.metrics_rows),
+            "final_version": self.weights.latest(),
+            "accuracy_before": before["accuracy"] if before else None,
+            "accuracy_after": evals[-1]["accuracy"] if evals else None,
+            "curve": [(int(e["step"]), e["accuracy"]) for e in evals],
+            "lr": self.cfg.train.lr,
+            "lora_rank": self.cfg.lora.rank if self.cfg.lora else None,
+            "folder": self.refs.run_dir,
+        }
 
     def close(self) -> None:
         self.training.close()
@@ -399,11 +431,61 @@ class MultiLoraRun:
         with self._lock:
             return {n: e for n, e in self.finished.items() if e is not None}
 
+    def summary(self, seconds: float) -> dict[str, Any]:
+        """The run's summary: per adapter its status and held-out accuracy before training (the base
+        model's step-0 evaluation) and after, what the producers generated, and the wall time."""
+        before = next((e for e in self.history.eval_rows if e["step"] == 0), None)
+        stats = [(self.layout.read_json(f"state/producer-{p}.json") or {}).get("stats", {})
+                 for p in self.producer_names()]  # every start's producer
+        return {
+            "run_id": self.refs.run_id,
+            "run_dir": self.refs.run_dir,
+            "rollout_source": self.cfg.multi_lora.rollout_source,
+            "steps": self.cfg.rollout.num_rollout,
+            "accuracy_before": before["accuracy"] if before else None,
+            "adapters": [self.adapters[n].summary(before, self.finished.get(n)) for n in self.names],
+            "failed_adapters": sorted(self.failed),
+            "groups_generated": sum(s.get("groups_written", 0) for s in stats),
+            "samples_generated": sum(s.get("samples_finished", 0) for s in stats),
+            "training": self.training_summary(),
+            "seconds": round(seconds, 1),
+        }
+
     def finish(self, summary: dict[str, Any]) -> None:
-        """End this start's sample stream and write ``summary.json``."""
+        """End this start's sample stream and write ``summary.json`` and its report ``adapters.md``."""
         self.stream_of(self.producer_id).close()
         self.layout.write_json("summary.json", summary)
+        self.layout.write_text("adapters.md", report(self.cfg, summary))
         self.trackers.close(ok=not self.failed)
+
+    def write_curves(self, summary: dict[str, Any]) -> list[tuple[bytes, str, str]]:
+        """Each adapter's reward and held-out accuracy per step (``adapters/<name>/curves.png``) and
+        every adapter's side by side (``curves.png``): (the PNG, its URL, what it shows) of each."""
+        from miles_core.report import curves_png, reward_points, run_curves
+
+        written, reward = [], {}
+        for name, session in self.adapters.items():
+            rows = session.history.metrics_rows
+            png = run_curves(rows, session.history.eval_rows, f"{self.cfg.name}: adapter {name}")
+            written.append((png, session.layout.write_bytes("curves.png", png),
+                            f"adapter {name}, reward and held-out accuracy per step"))
+            reward[name] = reward_points(rows)
+        if len(reward) > 1 and len({tuple(points) for points in reward.values()}) == 1:
+            # shared rollouts: every adapter trained on the same base-generated batches, one line says it
+            reward = {"every adapter (shared rollouts)": next(iter(reward.values()))}
+        before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
+        accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
+        png = curves_png(reward, accuracy, f"{self.cfg.name}: every adapter")
+        return [*written, (png, self.layout.write_bytes("curves.png", png), "every adapter side by side")]
+
+    def stop_note(self) -> tuple[str, int | None]:
+        """What a stopped run says, and the step it resumes from: each adapter's newest checkpoint."""
+        text = f"multi-LoRA run {self.refs.run_id} stopped, as asked"
+        if self.cfg.checkpoint.save_interval is None:
+            return f"{text}; no checkpoint (set --save-interval N to make a run resumable)", None
+        saved = {n: (s.layout.checkpoints() or [0])[-1] for n, s in self.adapters.items()}
+        text += "; the adapters' checkpoints are at steps " + ", ".join(f"{n} {k}" for n, k in saved.items())
+        return text, min(saved.values()) if any(saved.values()) else None
 
     def close(self) -> None:
         for session in self.adapters.values():
@@ -426,6 +508,16 @@ def get_multi_lora_run(cfg: RunConfig, refs: RunRefs) -> MultiLoraRun:  # a func
     return _RUNS.get(cfg, refs)
 
 
+def adapter_history(cfg: RunConfig, refs: RunRefs, name: str) -> HistoryFiles:
+    """Adapter ``name``'s history as its files hold it, read at each look (for its subflow's live
+    report; builds no run)."""
+    from miles_core.storage.fs import outage_retry
+    from miles_core.storage.layout import RunLayout
+
+    retry = outage_retry(cfg.storage.max_outage_s)
+    return HistoryFiles(RunLayout(refs.run_dir, "adapters", name, cfg.storage.storage_options, retry=retry))
+
+
 def close_multi_lora_run(refs: RunRefs) -> None:
     try:
         _RUNS.close(refs)
@@ -433,19 +525,41 @@ def close_multi_lora_run(refs: RunRefs) -> None:
         release_lease(refs)
 
 
-def adapter_summary(session: AdapterSession, before: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
-    """One adapter's line of the run summary: status, accuracy before and after, its curve."""
-    evals = session.history.eval_rows
-    return {
-        "name": session.name,
-        "status": "failed" if error else "completed",
-        "error": error,
-        "steps": len(session.history.metrics_rows),
-        "final_version": session.weights.latest(),
-        "accuracy_before": before["accuracy"] if before else None,
-        "accuracy_after": evals[-1]["accuracy"] if evals else None,
-        "curve": [(int(e["step"]), e["accuracy"]) for e in evals],
-        "lr": session.cfg.train.lr,
-        "lora_rank": session.cfg.lora.rank if session.cfg.lora else None,
-        "folder": session.refs.run_dir,
-    }
+def accuracy_table(summary: dict[str, Any]) -> str:
+    """Held-out accuracy per evaluation step, one column per adapter (markdown)."""
+    adapters = summary["adapters"]
+    steps = sorted({s for a in adapters for s, _ in a["curve"]} | ({0} if summary["accuracy_before"] is not None else set()))
+    fmt = lambda x: "" if x is None else f"{x:.3f}"
+    lines = ["| step | " + " | ".join(a["name"] for a in adapters) + " |", "|---:|" + "---:|" * len(adapters)]
+    for step in steps:
+        cells = []
+        for a in adapters:
+            value = summary["accuracy_before"] if step == 0 else dict(a["curve"]).get(step)
+            cells.append(fmt(value))
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(cfg: RunConfig, summary: dict[str, Any]) -> str:
+    """The run's markdown report: every adapter's held-out accuracy side by side."""
+    return "\n".join([
+        f"# Multi-LoRA run `{summary['run_id']}` ({cfg.name}, {summary['rollout_source']} rollouts)",
+        "",
+        "Held-out accuracy per adapter (step 0: the base model):",
+        "",
+        accuracy_table(summary),
+        "",
+        f"- failed adapters: {', '.join(summary['failed_adapters']) or 'none'}",
+        f"- groups generated (shared by all adapters): {summary['groups_generated']}",
+        f"- trained: {_training_line(summary['training'])}",
+        f"- prompt ledgers (`miles audit`): {audit_line(summary['audit'])}",
+        f"- run folder: `{summary['run_dir']}` (each adapter under `adapters/<name>/`)",
+        f"- wall time: {summary['seconds']} s",
+    ])
+
+
+def _training_line(training: dict[str, Any]) -> str:
+    if not training["shared_base"]:
+        return "a trainer (and a copy of the base) per adapter"
+    return (f"on one base model, {training['fused_steps']} fused steps of "
+            f"{training['adapters_per_fused_step']} adapters on average")

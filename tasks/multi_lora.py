@@ -1,13 +1,21 @@
 """Prefect tasks of a multi-LoRA run (``flows/multi_lora.py``): a few lines each over
-``miles_core.multi_lora``, returning small references, never tensors or samples."""
+``miles_core.multi_lora``, returning small references, never tensors or samples. The adapters'
+histories, the run's end (summary, audit, report, curves) and its stops are kept here, so the flow
+holds no run."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_image_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
-from miles_core.multi_lora import get_multi_lora_run
+from miles_core.ledger import audit_at_end
+from miles_core.multi_lora import get_multi_lora_run, report
 from miles_core.run import RunRefs, TrainRef
 from tasks.slots import device_slots
 
@@ -33,8 +41,10 @@ def evaluate_base(cfg: RunConfig, refs: RunRefs) -> dict[str, float]:
 @task(name="train-adapter", cache_policy=NO_CACHE, task_run_name="train-{name}-{step}")
 def train_adapter(cfg: RunConfig, refs: RunRefs, name: str, step: int) -> TrainRef:
     """Take the adapter's next batch from the stream, train, publish its version and load it into
-    the engine by name."""
+    the engine by name. An adapter whose trainer could not be built or put back fails here."""
     session = get_multi_lora_run(cfg, refs).adapters[name]
+    if session.resume_error is not None:
+        raise session.resume_error
     with device_slots(cfg, "train"):
         ref = session.training.train_from_stream(step, warn=get_run_logger().warning)
     ref.metrics["push_seconds"] = session.push_weights(ref.weights_uri, ref.version)
@@ -66,6 +76,47 @@ def resume_adapters(cfg: RunConfig, refs: RunRefs) -> dict:
         for name, session in run.adapters.items():
             try:
                 steps[name] = session.resume()
-            except Exception as e:  # noqa: BLE001 (this adapter fails alone: its subflow raises it)
+            except Exception as e:  # noqa: BLE001 (this adapter fails alone: its first train-adapter raises it)
                 session.resume_error, steps[name] = e, 0
     return {"steps": steps, "returned": returned, "adopted": adopted}
+
+
+@task(name="record-step", cache_policy=NO_CACHE, task_run_name="record-{name}-step-{step}")
+def record_adapter_step(cfg: RunConfig, refs: RunRefs, name: str, step: int, row: dict) -> None:
+    """Add adapter ``name``'s step ``step`` to its history (``metrics.jsonl`` and the run's trackers)."""
+    get_multi_lora_run(cfg, refs).adapters[name].history.record(step, row)
+
+
+@task(name="stop-adapter", cache_policy=NO_CACHE, task_run_name="stop-{name}-after-step-{done}")
+def stop_adapter(cfg: RunConfig, refs: RunRefs, name: str, done: int) -> tuple[str, int | None]:
+    """Adapter ``name`` was asked to stop after step ``done``: checkpoint it there if the run keeps
+    checkpoints; returns what to say and the step it resumes from (``AdapterSession.stop_note``)."""
+    return get_multi_lora_run(cfg, refs).adapters[name].stop_note(done)
+
+
+@task(name="stop-run", cache_policy=NO_CACHE, task_run_name="stop-run")
+def stop_run(cfg: RunConfig, refs: RunRefs) -> tuple[str, int | None]:
+    """The run was asked to stop: what to say, and the step it resumes from (``MultiLoraRun.stop_note``)."""
+    return get_multi_lora_run(cfg, refs).stop_note()
+
+
+@task(name="finish-run", cache_policy=NO_CACHE, task_run_name="finish-run")
+def finish_run(cfg: RunConfig, refs: RunRefs, seconds: float) -> dict:
+    """End the run (a dead producer fails it with its own error): its summary with the prompt
+    ledgers' audit (``summary.json``; ``adapters.md`` and a markdown artifact, a table of the
+    adapters) and its curves (``curves.png``, each adapter's and every adapter's side by side, also
+    image artifacts); returns the summary."""
+    from miles_core.report import data_url
+
+    run = get_multi_lora_run(cfg, refs)
+    run.check_producer()
+    summary = run.summary(seconds)
+    summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, get_run_logger())
+    run.finish(summary)
+    create_markdown_artifact(report(cfg, summary), key=None, description=f"{cfg.name}: multi-LoRA summary")
+    columns = ("name", "status", "lr", "lora_rank", "steps", "final_version", "accuracy_before", "accuracy_after", "error")
+    create_table_artifact([{k: a[k] for k in columns} for a in summary["adapters"]], key=None,
+                          description=f"{cfg.name}: adapters")
+    for png, url, what in run.write_curves(summary):
+        create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: {what} (also {url})")
+    return summary
