@@ -111,7 +111,8 @@ def test_cli_train_runs_a_flow_and_prints_the_before_after_table(tiny_model_dir,
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(Path(__file__).parent)}
+    tests = Path(__file__).parent  # the reward below is this module's; it imports tests/waiting.py
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": f"{tests}{os.pathsep}{tests.parent}"}
     for name in ("PREFECT_API_URL", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS",
                  "DS_ACCELERATOR"):  # a user's shell: the command quiets the libraries itself
         env.pop(name, None)
