@@ -11,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = {
     "engines": "Rollout engines: transformers vs the stand-in server vs vLLM on CPU (bench/engines.py)",
+    "engines_smollm2": "Rollout engines on SmolLM2-135M-Instruct: tokens/s, first token, weight and adapter push pauses (bench/engines.py --models smollm2)",
     "modes": "Execution modes: sync vs async vs fully async (bench/modes.py)",
     "modes-no-tis": "Execution modes without TIS (bench/modes.py)",
     "modes-eval-separate": "Fully async with and without evaluation beside training (bench/modes.py --eval-compare)",
