@@ -89,14 +89,15 @@ class LiveReport:
                                                  description=f"{title}: steps done out of {total}")
         self.t0 = self.progress_at = self.published_at = time.monotonic()
 
-    def step_done(self, step: int) -> None:
-        """Step ``step`` (1-based) is recorded in the history: update what is due (the last step's
+    def step_done(self, step: int, row: dict[str, Any] | None = None) -> None:
+        """Step ``step`` (1-based) is recorded in the history, with ``row`` its metrics if the caller
+        has them (else the history's last row is read): update what is due (the last step's
         artifacts wait for ``finish``, after its evaluations)."""
         now = time.monotonic()
         final = step >= self.total
         if final or now - self.progress_at >= PROGRESS_EVERY_S:
             done = step - self.start
-            self._progress(step, (now - self.t0) / done * (self.total - step) if done > 0 else None)
+            self._progress(step, (now - self.t0) / done * (self.total - step) if done > 0 else None, row)
             self.progress_at = now
         if not final and now - self.published_at >= self.every_s:
             self.publish()
@@ -108,9 +109,12 @@ class LiveReport:
         self._progress(rows[-1]["step"] if rows else self.start, None)
         return self.publish(note)
 
-    def _progress(self, step: int, eta_s: float | None) -> None:
-        rows, evals = self.history.metrics_rows, self.history.eval_rows
-        line = progress_line(self.title, step, self.total, rows[-1] if rows else {}, evals[-1] if evals else None, eta_s)
+    def _progress(self, step: int, eta_s: float | None, row: dict[str, Any] | None = None) -> None:
+        if row is None:  # the history's files are read whole: only when the caller has no row
+            rows = self.history.metrics_rows
+            row = rows[-1] if rows else {}
+        evals = self.history.eval_rows
+        line = progress_line(self.title, step, self.total, row, evals[-1] if evals else None, eta_s)
         update_progress_artifact(self.progress, 100.0 * step / self.total, description=line)
 
     def publish(self, note: str = "") -> bytes:

@@ -94,7 +94,7 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
         if "eval_accuracy" in row:
             line += f" | eval accuracy {row['eval_accuracy']:.3f}"
         log.info(line)
-        live.step_done(step + 1)
+        live.step_done(step + 1, row)
     live.finish()
     rows = history.metrics_rows  # a resumed adapter's rows go back to its checkpoint, with its version
     return {"name": name, "steps": total, "version": rows[-1]["version"] if rows else 0}

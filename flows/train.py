@@ -143,7 +143,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                 "; ".join(reward_errors))
                 if shared_eval is not None:
                     log.info(_eval_line(f"after step {step + 1}", shared_eval))
-                live.step_done(step + 1)
+                live.step_done(step + 1, row)
                 check_lease(refs)  # another trainer took this run over (after this one stalled): stop
                 if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
                     raise _stopped(cfg, refs, step + 1, r)
