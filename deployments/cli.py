@@ -2,7 +2,8 @@
 
 Heavy imports (prefect, torch) happen only inside the command that needs them, so ``miles --help``
 and ``miles show-config`` answer at once. ``miles engine-serve`` takes its own flags (not a run
-config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``).
+config): it serves a model folder under SGLang's HTTP API (``miles_core.engines.server``); so does
+``miles tinker-serve``, the Tinker API over LoRA adapters (``miles_core.tinker.server``).
 ``miles audit RUN`` prints what became of every prompt of a run (``miles_core.ledger``);
 ``miles evaluate RUN`` evaluates a run's newest (or a given) version (``flows/evaluate.py``).
 ``miles server start|stop|status`` runs a local Prefect server on PostgreSQL (``deployments/server.py``)
@@ -27,6 +28,7 @@ from miles_core.cli import build_parser, resolve_config
 from miles_core.engines import server as engine_server
 from miles_core.models import tiny_model_threads
 from miles_core.storage.lease import RunBusy
+from miles_core.tinker import server as tinker_server
 
 
 def _quiet_defaults(verbose: bool = False) -> None:
@@ -47,6 +49,8 @@ def cli_parser() -> argparse.ArgumentParser:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     text = "serve a model folder under SGLang's HTTP API (transformers engine, CPU)"
     engine_server.add_arguments(sub.add_parser("engine-serve", help=text, description=text, allow_abbrev=False))
+    text = "serve the Tinker API: the tinker SDK and tinker-cookbook train LoRA adapters here (docs/tinker.md)"
+    tinker_server.add_arguments(sub.add_parser("tinker-serve", help=text, description=text, allow_abbrev=False))
     text = "a local Prefect server on PostgreSQL (start | stop | status), for concurrent runs and the UI"
     prefect_server.add_arguments(sub.add_parser("server", help=text, description=text, allow_abbrev=False))
     serve_deployments.add_arguments(sub.choices["serve"])
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "engine-serve":
         _quiet_defaults()
         return engine_server.run(args)
+    if args.command == "tinker-serve":
+        _quiet_defaults()
+        return tinker_server.run(args)
     if args.command == "server":
         return prefect_server.run(args)
     if args.command == "audit":

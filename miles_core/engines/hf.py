@@ -192,6 +192,26 @@ class HFEngine:
                 raise
             self._adapter_versions[name] = version
 
+    async def prompt_logprobs(self, prompt_ids: list[int], adapter: str | None = None) -> list[float]:
+        """log p(token t | tokens before it) for each prompt token, NaN for the first (it has no
+        context), under the base or the loaded adapter ``adapter``; one forward pass, between batches."""
+        self._ensure_open()
+        async with self._lock:
+            self._ensure_open()
+            return await _in_thread(self._prompt_logprobs, list(prompt_ids), adapter)
+
+    def _prompt_logprobs(self, prompt_ids: list[int], adapter: str | None) -> list[float]:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        kw: dict[str, Any] = {}
+        if getattr(self.model, "peft_config", None):
+            kw["adapter_names"] = [adapter or BASE_ADAPTER]
+        elif adapter is not None:
+            raise ValueError(f"adapter {adapter!r} is not loaded")
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, use_cache=False, **kw).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+        return [float("nan"), *lp.tolist()]
+
     @property
     def adapters(self) -> list[str]:
         """Names of the loaded LoRA adapters."""

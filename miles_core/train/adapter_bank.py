@@ -140,9 +140,20 @@ class AdapterBank:
     def add(self, name: str, lora: LoraConfig, train_cfg: TrainConfig, weight_store: WeightPublisher,
             storage_options: dict[str, Any] | None = None) -> BankedLoraTrainer:
         """Add adapter ``name`` (A drawn from ``train_cfg.seed``, B zero) and return its trainer."""
-        if name in self.trainers:
+        self.attach(name, lora, train_cfg.seed)
+        trainer = BankedLoraTrainer(self, name, lora, train_cfg, weight_store, storage_options)
+        self.trainers[name] = trainer
+        with self._cond:
+            self._live.add(name)
+        return trainer
+
+    def attach(self, name: str, lora: LoraConfig, seed: int) -> dict[str, nn.Parameter]:
+        """Put adapter ``name``'s layers into the model (A drawn from ``seed``, B zero: the base's
+        output) without a trainer of its own; returns its parameters (``parameters_of``). For callers
+        that run their own optimizer over them (the Tinker service)."""
+        if name in self.trainers or any(name in layer.lora_A for layer in self.layers.values()):
             raise ValueError(f"adapter {name!r} is in the bank already")
-        generator = torch.Generator().manual_seed(train_cfg.seed)
+        generator = torch.Generator().manual_seed(seed)
         matched = 0
         for path, module in list(self.model.named_modules()):
             for child, layer in list(module.named_children()):
@@ -161,11 +172,28 @@ class AdapterBank:
         if matched == 0:
             raise ValueError(f"adapter {name!r}: no linear module of the model matches target_modules "
                              f"{list(lora.target_modules)}")
-        trainer = BankedLoraTrainer(self, name, lora, train_cfg, weight_store, storage_options)
-        self.trainers[name] = trainer
-        with self._cond:
-            self._live.add(name)
-        return trainer
+        return self.parameters_of(name)
+
+    def detach(self, name: str) -> None:
+        """Take adapter ``name``'s layers out of the model (an adapter without a trainer: ``attach``)."""
+        for layer in self.layers.values():
+            if name in layer.lora_A:
+                del layer.lora_A[name], layer.lora_B[name]
+                layer.scaling.pop(name, None)
+                layer.dropout.pop(name, None)
+
+    def save_peft(self, name: str, lora: LoraConfig, folder: str) -> None:
+        """Write adapter ``name`` into ``folder`` in PEFT's format (``adapter_config.json`` +
+        ``adapter_model.safetensors``), which engines load by name."""
+        import peft
+        from safetensors.torch import save_file
+
+        config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.dropout,
+                                 target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                                 base_model_name_or_path=self.model_dir, inference_mode=True)
+        config.save_pretrained(folder)
+        weights = {k: p.detach().to("cpu", copy=True).contiguous() for k, p in self.parameters_of(name).items()}
+        save_file(weights, str(Path(folder) / "adapter_model.safetensors"), metadata={"format": "pt"})
 
     def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         """Adapter ``name``'s parameters under PEFT's saved names (``base_model.model.<module>.lora_A.weight``)."""
@@ -393,15 +421,8 @@ class BankedLoraTrainer(TorchTrainer):
     def export(self, version: int) -> str:
         """Publish the adapter as ``version`` in PEFT's folder format (``adapter_config.json`` +
         ``adapter_model.safetensors``), as ``TorchTrainer`` with LoRA does."""
-        import peft
-        from safetensors.torch import save_file
-
-        config = peft.LoraConfig(r=self.lora.rank, lora_alpha=self.lora.lora_alpha, lora_dropout=self.lora.dropout,
-                                 target_modules=list(self.lora.target_modules), task_type="CAUSAL_LM",
-                                 base_model_name_or_path=self.bank.model_dir, inference_mode=True)
         with tempfile.TemporaryDirectory() as tmp:
-            config.save_pretrained(tmp)
-            save_file(self.weights(), str(Path(tmp) / "adapter_model.safetensors"), metadata={"format": "pt"})
+            self.bank.save_peft(self.name, self.lora, tmp)
             return self.weight_store.publish_folder(version, tmp)
 
     def _model_state(self) -> dict[str, Tensor]:

@@ -1,0 +1,539 @@
+"""The Tinker service's state and work: ``TinkerService`` (the HTTP layer is ``server.py``).
+
+- Sessions (``create_session``, heartbeats) and training clients (``create_model``: a LoRA adapter on
+  a served base, ``TinkerTrainer``), each kept in the store (``TinkerStore``) as it is made.
+- Training calls (``forward_backward``, ``optim_step``, ``save_weights``,
+  ``save_weights_for_sampler``, ``load_weights``) run on one training thread in each client's
+  ``seq_id`` order. Each round takes the next call of every client that has one ready; their
+  ``forward_backward`` calls run together (one forward pass, one backward pass: ``TinkerTrainer``).
+  A call waits at most ``seq_wait_s`` for the calls before it (the SDK sends them in order, so a
+  gap means a lost request) and then fails saying which ``seq_id`` never came.
+- Sampling (``asample``) runs on the server's event loop in one ``HFEngine`` per base model, which
+  shares the base's weights with the trainer; a sampler made from a snapshot loads it as a named
+  adapter (once; snapshots never change).
+- Results are futures (``Futures``); failures are answered as the SDK's ``RequestFailedError``
+  (category ``user`` for bad input, ``server`` otherwise), with a message naming what failed.
+- After a restart (kill -9 included) the store still holds every session, training client and
+  checkpoint; a client's adapter is not in memory until ``load_state`` loads one of its states.
+  Until then its calls fail naming its last saved state and the calls after it that were lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_core.tinker import wire
+from miles_core.tinker.futures import Futures, Result
+from miles_core.tinker.losses import LossError
+from miles_core.tinker.store import PathError, TinkerPath, TinkerStore, check_name, model_folder
+from miles_core.tinker.trainer import TinkerTrainer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class UserError(ValueError):
+    """A call the service refuses because of what the client sent (answered with category ``user``)."""
+
+
+@dataclass
+class Call:
+    kind: str
+    model_id: str
+    seq_id: int
+    request_id: str
+    payload: Any
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Client:
+    """A training client the service knows: in memory (``live``) or only in the store (after a restart)."""
+
+    info: dict[str, Any]
+    live: bool = False
+    next_seq: int | None = None
+    calls: dict[int, Call] = field(default_factory=dict)
+    last_seq: int = 0
+    lost: str | None = None
+    """Why its calls fail until a state is loaded (after a restart)."""
+
+
+@dataclass
+class Sampler:
+    base: str
+    adapter: str | None = None
+    """The engine's name for the snapshot's adapter (None: the base model)."""
+    uri: str | None = None
+    model_path: str | None = None
+
+
+class TinkerService:
+    """Sessions, training clients, samplers and their calls (module docstring)."""
+
+    def __init__(self, root: str, bases: dict[str, str], storage_options: dict[str, Any] | None = None,
+                 lora_alpha: float = 32.0, seq_wait_s: float = 120.0, gather_s: float = 0.02) -> None:
+        self.store = TinkerStore(root, storage_options)
+        self.storage_options = dict(storage_options or {})
+        self.bases = {name: os.path.realpath(folder) for name, folder in bases.items()}
+        self.trainer = TinkerTrainer(self.bases, lora_alpha=lora_alpha)
+        self.seq_wait_s = seq_wait_s
+        self.gather_s = gather_s
+        self.clients: dict[str, Client] = {}
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.engines: dict[str, Any] = {}
+        self.futures: Futures | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._adapter_loads: dict[tuple[str, str], asyncio.Task] = {}
+        self.fused_sizes: list[int] = []
+        """How many clients' ``forward_backward`` calls each training round ran together."""
+
+    # -- life
+
+    async def start(self) -> None:
+        """Load the base models, restore what the store holds, start the training thread."""
+        from miles_core.config import HFEngineConfig
+        from miles_core.engines.hf import HFEngine
+
+        self.futures = Futures(asyncio.get_running_loop())
+        for base, folder in self.bases.items():
+            bank = await asyncio.to_thread(self.trainer.bank, base)
+            engine = await asyncio.to_thread(HFEngine, folder, HFEngineConfig())
+            engine.share_weights(bank.model)
+            self.engines[base] = engine
+        for info in await asyncio.to_thread(self.store.models):
+            self.clients[info["model_id"]] = Client(info, lost=self._lost_message(info))
+        self._thread = threading.Thread(target=self._train_loop, name="tinker-train", daemon=True)
+        self._thread.start()
+        log.info("tinker service: bases %s, %d training clients in the store", sorted(self.bases), len(self.clients))
+
+    async def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        for engine in self.engines.values():
+            await engine.close()
+
+    def _lost_message(self, info: dict[str, Any]) -> str:
+        states = self.store.states(info["model_id"])
+        if not states:
+            return (f"the service restarted and training client {info['model_id']} had no saved state: its "
+                    "adapter was lost; create a new training client")
+        last = states[-1]
+        return (f"the service restarted; training client {info['model_id']}'s last saved state is {last['path']} "
+                f"(seq_id {last['seq_id']}, step {last['steps']}), and its calls after that were lost; "
+                f"load_state_with_optimizer({last['path']!r}) and go on from there")
+
+    # -- sessions
+
+    def create_session(self, body: dict[str, Any]) -> str:
+        session_id = uuid.uuid4().hex
+        record = {"session_id": session_id, "created": time.time(), "tags": body.get("tags") or [],
+                  "sdk_version": body.get("sdk_version"), "display_name": body.get("display_name")}
+        self.sessions[session_id] = record
+        self.store.write_json(("sessions", f"{session_id}.json"), record)
+        return session_id
+
+    def heartbeat(self, session_id: str) -> bool:
+        if session_id not in self.sessions:
+            record = self.store.read_json(("sessions", f"{session_id}.json"))
+            if record is None:
+                return False
+            self.sessions[session_id] = record
+        self.sessions[session_id]["last_heartbeat"] = time.time()
+        return True
+
+    # -- training clients
+
+    def base_of(self, name: str) -> str:
+        if name in self.bases:
+            return name
+        for base, folder in self.bases.items():  # a base may be named by its folder (the cookbook's tokenizer)
+            if os.path.realpath(name) == folder:
+                return base
+        raise UserError(f"base model {name!r} is not served here; served: {sorted(self.bases)}")
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        client = self._client(model_id)
+        info = client.info
+        return {"model_id": model_id, "type": "get_info", "is_lora": True, "lora_rank": info["rank"],
+                "model_name": info["base_model"],
+                "model_data": {"model_name": info["base_model"], "arch": info.get("arch"),
+                               "tokenizer_id": self.bases[info["base"]]}}
+
+    def create_model(self, body: dict[str, Any]) -> str:
+        """``create_model``, or ``load_weights`` with a session and no model id (create-via-load):
+        a new training client; returns the request id of its future."""
+        session_id = body.get("session_id")
+        if session_id is None or not self.heartbeat(session_id):
+            raise UserError(f"unknown session {session_id!r}: create a session first (ServiceClient does)")
+        model_id = f"{session_id}:train:{body.get('model_seq_id', 0)}"
+        if body.get("type") == "load_weights":
+            source = self._checkpoint(body["path"], "weights")
+            info = dict(self.store.read_json(("models", model_folder(source.model_id), "model.json")) or {})
+            if not info:
+                raise UserError(f"{body['path']}: no training client {source.model_id} in the store")
+            base_model = body.get("base_model") or info["base_model"]
+            lora = {k: info[k] for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
+        else:
+            base_model = body["base_model"]
+            cfg = body.get("lora_config") or {}
+            lora = {"rank": int(cfg.get("rank", 32)), "seed": cfg.get("seed"),
+                    "train_attn": cfg.get("train_attn", True), "train_mlp": cfg.get("train_mlp", True),
+                    "train_unembed": cfg.get("train_unembed", True)}
+            source = None
+        if model_id in self.clients:
+            raise UserError(f"training client {model_id} exists already")
+        info = {"model_id": model_id, "session_id": session_id, "base_model": base_model,
+                "base": self.base_of(base_model), "created": time.time(),
+                "user_metadata": body.get("user_metadata") or {}, **lora}
+        client = Client(info)
+        self.clients[model_id] = client
+        request_id = self.futures.new("create_model", model_id)
+        self._enqueue(client, Call("create", model_id, 0, request_id,
+                                   (source, bool(body.get("optimizer"))) if source else None), ordered=False)
+        return request_id
+
+    def submit(self, kind: str, model_id: str, seq_id: int | None, payload: Any) -> str:
+        """A training call of ``model_id`` (run in ``seq_id`` order); the request id of its future."""
+        client = self._client(model_id)
+        request_id = self.futures.new(kind, model_id)
+        call = Call(kind, model_id, int(seq_id or 0), request_id, payload)
+        if client.lost is not None and kind != "load_weights":
+            self._fail(request_id, UserError(self._lost_calls(client, call.seq_id)))
+            return request_id
+        self._enqueue(client, call, ordered=seq_id is not None)
+        return request_id
+
+    def _lost_calls(self, client: Client, seq_id: int) -> str:
+        return f"{client.lost} (this call is seq_id {seq_id})"
+
+    def _client(self, model_id: str) -> Client:
+        client = self.clients.get(model_id)
+        if client is None:
+            raise UserError(f"no training client {model_id!r} on this service")
+        return client
+
+    def _enqueue(self, client: Client, call: Call, ordered: bool) -> None:
+        with self._cond:
+            if not ordered:  # runs next, whatever its seq_id
+                call.seq_id = client.next_seq if client.next_seq is not None else -1
+                client.calls.setdefault(call.seq_id, call)
+                if client.next_seq is None:
+                    client.next_seq = -1
+            elif client.next_seq is not None and client.next_seq >= 0 and call.seq_id < client.next_seq:
+                self._fail(call.request_id, UserError(f"{call.model_id}: seq_id {call.seq_id} came after seq_id "
+                                                      f"{client.next_seq - 1} had run; calls run in seq_id order"))
+                return
+            else:
+                client.calls[call.seq_id] = call
+                if client.next_seq is None:
+                    client.next_seq = call.seq_id
+            self._cond.notify_all()
+
+    # -- the training thread
+
+    def _train_loop(self) -> None:
+        while True:
+            with self._cond:
+                ready = self._ready()
+                while not ready and not self._closed:
+                    self._cond.wait(timeout=1.0)
+                    ready = self._ready()
+                if self._closed:
+                    return
+            if self.gather_s > 0 and any(c.kind == "forward_backward" for c in ready):
+                time.sleep(self.gather_s)  # let other clients' calls that are on their way join this round
+                with self._cond:
+                    ready = self._ready()
+            self._run_round(ready)
+
+    def _ready(self) -> list[Call]:
+        """The next call of each client, where it is there (called with the lock held); a client
+        whose next call has not come within ``seq_wait_s`` fails the calls waiting behind it."""
+        ready = []
+        now = time.monotonic()
+        for client in self.clients.values():
+            if not client.calls:
+                continue
+            call = client.calls.get(client.next_seq)
+            if call is not None:
+                ready.append(call)
+                continue
+            first = min(client.calls.values(), key=lambda c: c.seq_id)
+            if now - first.arrived > self.seq_wait_s:
+                missing = client.next_seq
+                for c in list(client.calls.values()):
+                    self._fail(c.request_id, UserError(
+                        f"{c.model_id}: waited {self.seq_wait_s:.0f} s for seq_id {missing}, which never came; "
+                        f"seq_id {c.seq_id} cannot run before it"))
+                client.calls.clear()
+                client.next_seq = None
+        return ready
+
+    def _done(self, call: Call) -> None:
+        with self._cond:
+            client = self.clients[call.model_id]
+            client.calls.pop(call.seq_id, None)
+            if call.seq_id >= 0:
+                client.last_seq = call.seq_id
+                client.next_seq = call.seq_id + 1
+            elif client.calls:  # an unordered call ran: the next is the lowest waiting
+                client.next_seq = min(client.calls)
+            else:
+                client.next_seq = None
+
+    def _run_round(self, ready: list[Call]) -> None:
+        fused = [c for c in ready if c.kind == "forward_backward"]
+        if fused:
+            self.fused_sizes.append(len(fused))
+            try:
+                outs = self.trainer.forward_backward([c.payload for c in fused])
+            except Exception as e:  # noqa: BLE001 - each call gets the error
+                outs = [e] * len(fused)
+                if len(fused) > 1 and isinstance(e, (LossError, wire.WireError, KeyError)):
+                    outs = [self._alone(c) for c in fused]  # one client's bad input fails that client only
+            for call, out in zip(fused, outs, strict=True):
+                if isinstance(out, Exception):
+                    self._fail(call.request_id, out)
+                else:
+                    outputs, metrics = out
+                    self._resolve(call.request_id, Result(wire.forward_backward_output(outputs, metrics),
+                                                          wire.PROTOBUF))
+                self._done(call)
+        for call in ready:
+            if call.kind == "forward_backward":
+                continue
+            try:
+                self._resolve_json(call.request_id, getattr(self, f"_run_{call.kind}")(call))
+            except Exception as e:  # noqa: BLE001 - the call's future carries it
+                self._fail(call.request_id, e)
+            self._done(call)
+
+    def _alone(self, call: Call) -> Any:
+        try:
+            return self.trainer.forward_backward([call.payload])[0]
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    def _run_create(self, call: Call) -> dict[str, Any]:
+        client = self.clients[call.model_id]
+        info = client.info
+        self.trainer.create(call.model_id, info["base"], info["rank"], info["seed"], info["train_attn"],
+                            info["train_mlp"], info["train_unembed"])
+        self.store.write_json(("models", model_folder(call.model_id), "model.json"), info)
+        client.live, client.lost = True, None
+        if call.payload is not None:  # create-via-load
+            source, optimizer = call.payload
+            self._load(call.model_id, source, optimizer)
+            return {"model_id": call.model_id, "path": str(source), "type": "load_weights"}
+        return {"model_id": call.model_id, "type": "create_model"}
+
+    def _run_optim_step(self, call: Call) -> dict[str, Any]:
+        return {"metrics": self.trainer.optim_step(call.model_id, call.payload.get("adam_params") or {}),
+                "type": "optim_step"}
+
+    def _run_save_weights(self, call: Call) -> dict[str, Any]:
+        path = TinkerPath(call.model_id, "weights", check_name(call.payload.get("path") or f"step-{call.seq_id}"))
+        adapter = self.trainer.get(call.model_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(f"{tmp}/state.pt", "wb") as f:
+                f.write(self.trainer.state_bytes(call.model_id))
+            self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "steps": adapter.steps,
+                                              "saved_at": time.time(), "base_model": self.clients[call.model_id].info["base_model"]})
+        return {"path": str(path), "type": "save_weights"}
+
+    def _run_save_weights_for_sampler(self, call: Call) -> dict[str, Any]:
+        name = call.payload.get("path")
+        named = name is not None
+        if not named:  # save_weights_and_get_sampling_client: a snapshot of its own, not named by the client
+            name = f"sampler-{call.seq_id}-{uuid.uuid4().hex[:8]}"
+        path = TinkerPath(call.model_id, "sampler_weights", check_name(name))
+        info = self.clients[call.model_id].info
+        with tempfile.TemporaryDirectory() as tmp:
+            self.trainer.save_sampler(call.model_id, tmp)
+            uri = self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "base": info["base"],
+                                                    "base_model": info["base_model"], "saved_at": time.time()})
+        out: dict[str, Any] = {"path": str(path), "type": "save_weights_for_sampler"}
+        if call.payload.get("sampling_session_seq_id") is not None or not named:
+            sampler_id = f"{call.model_id}:sample:{uuid.uuid4().hex[:12]}"
+            self.samplers[sampler_id] = Sampler(info["base"], _adapter_name(str(path)), uri, str(path))
+            out["sampling_session_id"] = sampler_id
+        return out
+
+    def _run_load_weights(self, call: Call) -> dict[str, Any]:
+        source = self._checkpoint(call.payload["path"], "weights")
+        client = self.clients[call.model_id]
+        if not client.live:  # after a restart: its adapter comes back first
+            info = client.info
+            self.trainer.create(call.model_id, info["base"], info["rank"], info["seed"], info["train_attn"],
+                                info["train_mlp"], info["train_unembed"])
+            client.live = True
+        self._load(call.model_id, source, bool(call.payload.get("optimizer")))
+        client.lost = None
+        return {"path": str(source), "type": "load_weights"}
+
+    def _run_unload_model(self, call: Call) -> dict[str, Any]:
+        self.trainer.remove(call.model_id)
+        self.clients[call.model_id].live = False
+        return {"model_id": call.model_id, "type": "unload_model"}
+
+    def _load(self, model_id: str, source: TinkerPath, optimizer: bool) -> None:
+        self.trainer.load_state(model_id, self.store.read_file(source, "state.pt"), optimizer)
+
+    def _checkpoint(self, path: str, kind: str) -> TinkerPath:
+        try:
+            p = TinkerPath.parse(path)
+        except PathError as e:
+            raise UserError(str(e)) from None
+        if p.kind != kind:
+            raise UserError(f"{path}: a {p.kind} checkpoint; this call needs a {kind} one")
+        if not self.store.exists(p):
+            raise UserError(f"{path}: no such checkpoint in {self.store.url()}")
+        return p
+
+    # -- sampling
+
+    def create_sampler(self, body: dict[str, Any]) -> str:
+        model_path, base_model = body.get("model_path"), body.get("base_model")
+        sampler_id = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id', uuid.uuid4().hex[:8])}"
+        if model_path:
+            p = self._checkpoint(model_path, "sampler_weights")
+            meta = self.store.meta(p)
+            if meta["base"] not in self.bases:
+                raise UserError(f"{model_path} was trained on {meta['base_model']!r}, which is not served here")
+            self.samplers[sampler_id] = Sampler(meta["base"], _adapter_name(model_path),
+                                                self.store.url(*self.store.checkpoint(p)), model_path)
+        elif base_model:
+            self.samplers[sampler_id] = Sampler(self.base_of(base_model))
+        else:
+            raise UserError("create_sampling_client needs a model_path or a base_model")
+        return sampler_id
+
+    def sampler_info(self, sampler_id: str) -> dict[str, Any]:
+        sampler = self._sampler(sampler_id)
+        return {"sampler_id": sampler_id, "base_model": sampler.base, "model_path": sampler.model_path}
+
+    def _sampler(self, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            raise UserError(f"no sampling session {sampler_id!r} on this service (it restarted since, or the id is "
+                            "wrong): create the sampling client again from its model_path")
+        return sampler
+
+    def sample(self, body: dict[str, Any]) -> tuple[str, list[str]]:
+        """``asample``: the request id of its future and one sequence id per sample."""
+        sampler = self._sampler(body.get("sampling_session_id"))
+        n = int(body.get("num_samples", 1))
+        request_id = self.futures.new("sample")
+        task = asyncio.get_running_loop().create_task(self._sample(request_id, sampler, body, n))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return request_id, [f"{request_id}:{i}" for i in range(n)]
+
+    async def _sample(self, request_id: str, sampler: Sampler, body: dict[str, Any], n: int) -> None:
+        from miles_core.engines.base import GenerateRequest
+
+        try:
+            engine = self.engines[sampler.base]
+            if sampler.adapter is not None:
+                await self._ensure_adapter(engine, sampler)
+            prompt = _prompt_tokens(body.get("prompt") or {})
+            params = body.get("sampling_params") or {}
+            max_tokens = params.get("max_tokens") or DEFAULT_MAX_TOKENS
+            requests = [GenerateRequest(prompt, _sampling(params, max_tokens, i), adapter=sampler.adapter)
+                        for i in range(n)] if max_tokens > 0 and n > 0 else []
+            results = await engine.generate(requests)
+            sequences = []
+            for res in results:
+                if res.finish_reason == "abort":
+                    raise RuntimeError("the engine aborted the generation")
+                sequences.append((res.output_ids, res.logprobs, "length" if res.finish_reason == "length" else "stop"))
+            prompt_lp = None
+            if body.get("prompt_logprobs"):
+                prompt_lp = await engine.prompt_logprobs(prompt, sampler.adapter)
+            self._resolve(request_id, Result(wire.sample_response(sequences, prompt_lp), wire.PROTOBUF))
+        except Exception as e:  # noqa: BLE001 - the future carries it
+            self._fail(request_id, e)
+
+    async def _ensure_adapter(self, engine: Any, sampler: Sampler) -> None:
+        """Load the sampler's snapshot into the engine once (every caller waits for the one load)."""
+        key = (sampler.base, sampler.adapter)
+        task = self._adapter_loads.get(key)
+        if task is None:
+            task = asyncio.ensure_future(engine.load_adapter(sampler.adapter, sampler.uri))
+            self._adapter_loads[key] = task
+        try:
+            await asyncio.shield(task)
+        except Exception:
+            if self._adapter_loads.get(key) is task:  # the next call tries again
+                del self._adapter_loads[key]
+            raise
+
+    # -- results
+
+    def _resolve_json(self, request_id: str, obj: dict[str, Any]) -> None:
+        self._resolve(request_id, Result(json.dumps(obj).encode()))
+
+    def _resolve(self, request_id: str, result: Result) -> None:
+        self.futures.resolve(request_id, result)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        user = isinstance(error, (UserError, LossError, wire.WireError, PathError, KeyError, FileExistsError))
+        message = str(error) if isinstance(error, (UserError, KeyError)) else f"{type(error).__name__}: {error}"
+        if isinstance(error, KeyError):
+            message = str(error.args[0]) if error.args else message
+        if not user:
+            log.warning("tinker: request %s failed: %s", request_id, message)
+        self._resolve(request_id, Result(json.dumps({"error": message, "category": "user" if user else "server"})
+                                         .encode()))
+
+
+def _adapter_name(path: str) -> str:
+    """The engine's name for a sampler snapshot (PEFT module names may not hold '.' or ':')."""
+    return "s" + hashlib.sha1(path.encode()).hexdigest()[:16]
+
+
+def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    tokens: list[int] = []
+    for chunk in prompt.get("chunks") or []:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise UserError(f"a prompt chunk of type {chunk.get('type')!r}; this service samples from text tokens only")
+        tokens.extend(int(t) for t in chunk["tokens"])
+    if not tokens:
+        raise UserError("the prompt has no tokens")
+    return tokens
+
+
+def _sampling(params: dict[str, Any], max_tokens: int, index: int) -> Any:
+    from miles_core.engines.base import SamplingParams
+
+    stop = params.get("stop")
+    stop_strings: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    if isinstance(stop, str):
+        stop_strings = (stop,)
+    elif stop:
+        stop_strings = tuple(s for s in stop if isinstance(s, str))
+        stop_ids = tuple(int(s) for s in stop if not isinstance(s, str))
+    seed = params.get("seed")
+    return SamplingParams(max_new_tokens=int(max_tokens), temperature=float(params.get("temperature", 1.0)),
+                          top_p=float(params.get("top_p", 1.0)), top_k=int(params.get("top_k", -1)),
+                          stop=stop_strings, stop_token_ids=stop_ids,
+                          seed=None if seed is None else int(seed) + index)
+

@@ -1,0 +1,224 @@
+"""The Tinker service's parts without HTTP: the SDK's protobuf messages, its loss formulas, and
+training clients on a shared base (fused calls equal each client alone)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tinker import types
+from tinker.proto import request_conv, response_conv
+
+from miles_core.tinker import losses, wire
+from miles_core.tinker.wire import Datum, ForwardBackward
+
+
+# ------------------------------------------------------------------------------------------ wire
+
+
+def test_forward_backward_request_written_by_the_sdk_reads_back() -> None:
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [0.0, 1.0, 0.5]})
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="ppo",
+                                                          loss_fn_config={"clip_low_threshold": 0.7}),
+        model_id="s:train:0", seq_id=4)
+    body = request_conv.forward_backward_request_to_proto(request).SerializeToString()
+
+    call = wire.parse_forward_backward(body)
+
+    assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("s:train:0", 4, "ppo", False)
+    assert call.config == {"clip_low_threshold": pytest.approx(0.7)}
+    assert call.data[0].tokens.tolist() == [5, 6, 7]
+    assert call.data[0].inputs["target_tokens"].tolist() == [6, 7, 8]
+    assert call.data[0].inputs["weights"].tolist() == [0.0, 1.0, 0.5]
+
+
+def test_a_body_that_is_not_the_protobuf_is_refused_by_name() -> None:
+    with pytest.raises(wire.WireError, match="not a ForwardBackwardRequest"):
+        wire.parse_forward_backward(b"\xff\xff\xff not protobuf")
+
+
+def test_forward_backward_output_reads_back_in_the_sdk() -> None:
+    outs = [{"logprobs": np.array([-1.0, -2.0], dtype=np.float32)}, {"logprobs": np.array([-0.5], dtype=np.float32)}]
+
+    got = response_conv.deserialize_forward_backward_output(wire.forward_backward_output(outs, {"loss:sum": 3.5}))
+
+    assert got.metrics == {"loss:sum": 3.5}
+    assert [o["logprobs"].tolist() for o in got.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
+
+
+def test_metric_keys_without_a_reduction_are_refused() -> None:
+    with pytest.raises(ValueError, match="name:reduction"):
+        wire.forward_backward_output([{"logprobs": np.zeros(1)}], {"loss": 1.0})
+
+
+def test_sample_response_reads_back_in_the_sdk() -> None:
+    body = wire.sample_response([([3, 4], [-0.25, -1.5], "stop"), ([9], [-2.0], "length")],
+                                prompt_logprobs=[float("nan"), -0.5])
+
+    got = response_conv.deserialize_sample_response(body)
+
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in got.sequences] == [
+        ([3, 4], [-0.25, -1.5], "stop"), ([9], [-2.0], "length")]
+    assert got.prompt_logprobs == [None, -0.5]  # the SDK reads NaN as "no logprob"
+
+
+# ---------------------------------------------------------------------------------------- losses
+
+
+def _documented(loss_fn: str, lp: np.ndarray, inputs: dict, config: dict) -> float:
+    """The formulas of Tinker's documentation, written out in numpy."""
+    if loss_fn == "cross_entropy":
+        return float(-(lp * inputs["weights"]).sum())
+    ratio = np.exp(lp - inputs["logprobs"])
+    a = inputs["advantages"]
+    if loss_fn == "importance_sampling":
+        return float(-(ratio * a).sum())
+    clipped = np.clip(ratio, config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    return float(-np.minimum(ratio * a, clipped * a).sum())
+
+
+@pytest.mark.parametrize("loss_fn,config", [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
+                                            ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.05})])
+def test_losses_follow_the_documented_formulas(loss_fn: str, config: dict) -> None:
+    rng = np.random.default_rng(0)
+    lp = rng.normal(-1.0, 0.5, 12)
+    inputs = {"weights": rng.uniform(0, 1, 12), "logprobs": lp + rng.normal(0, 0.4, 12),  # ratios well outside 0.8-1.2
+              "advantages": rng.normal(0, 1, 12)}
+
+    got = losses.datum_loss(loss_fn, torch.tensor(lp), {k: torch.tensor(v) for k, v in inputs.items()}, config)
+
+    assert float(got) == pytest.approx(_documented(loss_fn, lp, inputs, config), rel=1e-9)
+
+
+def test_unknown_loss_and_missing_or_misfit_inputs_are_refused_by_name() -> None:
+    with pytest.raises(losses.LossError, match="'cispo' is not supported.*cross_entropy"):
+        losses.check_inputs("cispo", [{}], [3])
+    with pytest.raises(losses.LossError, match=r"datum 0: loss 'ppo' needs loss_fn_inputs \['advantages'\]"):
+        losses.check_inputs("ppo", [{"target_tokens": np.zeros(3), "logprobs": np.zeros(3)}], [3])
+    with pytest.raises(losses.LossError, match=r"datum 1: loss_fn_inputs\['weights'\] has 2 values for a model input of 3"):
+        ok = {"target_tokens": np.zeros(3), "weights": np.zeros(3)}
+        losses.check_inputs("cross_entropy", [ok, {"target_tokens": np.zeros(3), "weights": np.zeros(2)}], [3, 3])
+
+
+# --------------------------------------------------------------------------------------- trainer
+
+
+@pytest.fixture(scope="module")
+def tiny_folder() -> str:
+    from miles_core.config import ModelConfig
+    from miles_core.models import ensure_model
+
+    return str(ensure_model(ModelConfig(path="tiny-addition"), log=lambda *_: None))
+
+
+def _trainer(folder: str, clients: dict[str, int]):
+    from miles_core.tinker.trainer import TinkerTrainer
+
+    t = TinkerTrainer({"tiny": folder})
+    for k, (model_id, rank) in enumerate(clients.items()):
+        t.create(model_id, "tiny", rank, seed=k, train_unembed=k % 2 == 0)
+    return t
+
+
+def _call(model_id: str, loss_fn: str, seed: int, n_datums: int = 2) -> ForwardBackward:
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(n_datums):
+        n = int(rng.integers(4, 9))
+        tokens = rng.integers(0, 90, n + 1)
+        inputs = {"target_tokens": tokens[1:], "weights": rng.uniform(0, 1, n), "advantages": rng.normal(0, 1, n),
+                  "logprobs": rng.normal(-4, 0.3, n)}
+        data.append(Datum(tokens[:-1].astype(np.int64), inputs))
+    return ForwardBackward(model_id, 1, loss_fn, {}, False, data)
+
+
+CLIENTS = {"a:train:0": 2, "a:train:1": 4, "b:train:0": 8, "b:train:1": 4}
+LOSS_FNS = ["cross_entropy", "importance_sampling", "ppo", "cross_entropy"]
+
+
+def test_fused_calls_of_four_clients_equal_each_client_alone(tiny_folder: str) -> None:
+    torch.manual_seed(0)
+    fused, alone = _trainer(tiny_folder, CLIENTS), _trainer(tiny_folder, CLIENTS)
+    calls = [_call(m, fn, k) for k, (m, fn) in enumerate(zip(CLIENTS, LOSS_FNS, strict=True))]
+
+    together = fused.forward_backward(calls)
+    separately = [alone.forward_backward([c])[0] for c in calls]
+    for model_id in CLIENTS:
+        fused.optim_step(model_id, {"learning_rate": 1e-2})
+        alone.optim_step(model_id, {"learning_rate": 1e-2})
+
+    for (outs_f, metrics_f), (outs_a, metrics_a) in zip(together, separately, strict=True):
+        assert metrics_f["loss:sum"] == pytest.approx(metrics_a["loss:sum"], rel=1e-4)
+        for of, oa in zip(outs_f, outs_a, strict=True):
+            np.testing.assert_allclose(of["logprobs"], oa["logprobs"], rtol=1e-4, atol=1e-5)
+    for model_id in CLIENTS:
+        pf, pa = fused.get(model_id).params, alone.get(model_id).params
+        moved = max(float((p - torch.zeros_like(p)).abs().max()) for k, p in pf.items() if "lora_B" in k)
+        assert moved > 0  # the step changed B (zero at the start)
+        for k in pf:
+            torch.testing.assert_close(pf[k], pa[k], rtol=1e-4, atol=1e-6)
+
+
+def test_gradients_add_up_across_calls_until_the_optimizer_step(tiny_folder: str) -> None:
+    two, one = _trainer(tiny_folder, {"m": 4}), _trainer(tiny_folder, {"m": 4})
+    first, second = _call("m", "cross_entropy", 1), _call("m", "cross_entropy", 2)
+    both = ForwardBackward("m", 1, "cross_entropy", {}, False, first.data + second.data)
+
+    two.forward_backward([first])
+    two.forward_backward([second])
+    one.forward_backward([both])
+
+    for k, p in two.get("m").params.items():
+        # the passes pad to other widths, so sums round differently: agreement to float32's noise
+        torch.testing.assert_close(p.grad, one.get("m").params[k].grad, rtol=1e-3, atol=1e-6)
+
+
+def test_a_forward_only_call_leaves_no_gradient(tiny_folder: str) -> None:
+    t = _trainer(tiny_folder, {"m": 4})
+    call = _call("m", "cross_entropy", 3)
+    call.forward_only = True
+
+    (outs, metrics), = t.forward_backward([call])
+
+    assert all(p.grad is None for p in t.get("m").params.values())
+    assert metrics["loss:sum"] > 0 and len(outs) == 2
+
+
+def test_state_round_trip_continues_training_identically(tiny_folder: str) -> None:
+    from miles_core.tinker.trainer import TinkerTrainer
+
+    t = TinkerTrainer({"tiny": tiny_folder})
+    t.create("m", "tiny", 4, seed=0)
+    t.create("copy", "tiny", 4, seed=1)
+    t.forward_backward([_call("m", "cross_entropy", 4)])
+    t.optim_step("m", {"learning_rate": 1e-2})
+    t.load_state("copy", t.state_bytes("m"), with_optimizer=True)
+    for model_id in ("m", "copy"):
+        t.forward_backward([_call(model_id, "cross_entropy", 5)])
+        t.optim_step(model_id, {"learning_rate": 1e-2})
+
+    for k, p in t.get("m").params.items():
+        torch.testing.assert_close(p, t.get("copy").params[k], rtol=1e-5, atol=1e-7)
+    assert t.get("copy").steps == 2
+
+
+def test_a_state_of_another_rank_is_refused(tiny_folder: str) -> None:
+    t = _trainer(tiny_folder, {"m": 4, "other": 8})
+    with pytest.raises(ValueError, match="rank 4.*does not fit training client other \\(rank 8"):
+        t.load_state("other", t.state_bytes("m"), with_optimizer=False)
+
+
+def test_a_non_finite_gradient_is_not_stepped(tiny_folder: str) -> None:
+    t = _trainer(tiny_folder, {"m": 4})
+    t.forward_backward([_call("m", "cross_entropy", 6)])
+    next(iter(t.get("m").params.values())).grad.fill_(float("nan"))
+    before = {k: p.detach().clone() for k, p in t.get("m").params.items()}
+
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+        t.optim_step("m", {"learning_rate": 1e-2})
+
+    for k, p in t.get("m").params.items():
+        assert torch.equal(p, before[k])
