@@ -192,6 +192,17 @@ class HFEngine:
                 raise
             self._adapter_versions[name] = version
 
+    async def unload_adapter(self, name: str) -> bool:
+        """Take adapter ``name`` out of the engine, once in-flight generation has finished (the
+        caller makes sure nothing queued still asks for it). False when it is not loaded, or is the
+        only one (PEFT keeps at least one; it stays, unused)."""
+        async with self._lock:
+            if name not in self._adapter_versions or len(self.adapters) <= 1:
+                return False
+            await _in_thread(hf_weights.delete_adapter, self.model, name)
+            self._adapter_versions.pop(name, None)
+            return True
+
     async def prompt_logprobs(self, prompt_ids: list[int], adapter: str | None = None) -> list[float]:
         """log p(token t | tokens before it) for each prompt token, NaN for the first (it has no
         context), under the base or the loaded adapter ``adapter``; one forward pass, between batches."""

@@ -104,11 +104,16 @@ def install_adapter(model: Any, base: torch.nn.Module, name: str, uri: str,
         if not isinstance(model, PeftModel):
             return PeftModel.from_pretrained(base, folder, adapter_name=name).eval()
         if name in model.peft_config:  # a new version of a loaded adapter
-            with warnings.catch_warnings():  # PEFT warns that the deleted adapter was "active";
-                warnings.simplefilter("ignore")  # batches name their adapters per row, none is active
-                model.delete_adapter(name)
+            delete_adapter(model, name)
         model.load_adapter(folder, adapter_name=name)
         return model.eval()
+
+
+def delete_adapter(model: Any, name: str) -> None:
+    """Take adapter ``name`` out of a PEFT model (its memory with it)."""
+    with warnings.catch_warnings():  # PEFT warns when the deleted adapter was "active": batches name theirs per row
+        warnings.simplefilter("ignore")
+        model.delete_adapter(name)
 
 
 @contextmanager

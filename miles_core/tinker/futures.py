@@ -11,10 +11,15 @@ or one forgotten, is answered with an error that says so.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +68,18 @@ class Futures:
             entry.event.set()
         else:
             self.loop.call_soon_threadsafe(entry.event.set)
+
+    def fail(self, request_id: str, error: BaseException, user: bool) -> None:
+        """Answer with the SDK's failed-request shape: ``RequestFailedError`` on the client, its
+        category ``user`` (the call was wrong) or ``server``."""
+        if isinstance(error, KeyError) and error.args:
+            message = str(error.args[0])
+        else:
+            message = str(error) if user else f"{type(error).__name__}: {error}"
+        if not user:
+            log.warning("tinker: request %s failed: %s", request_id, message)
+        body = {"error": message, "category": "user" if user else "server"}
+        self.resolve(request_id, Result(json.dumps(body).encode()))
 
     def pending(self) -> int:
         with self._lock:

@@ -79,6 +79,7 @@ def build_app(service: TinkerService, api_key: str) -> Starlette:
 
 
 def _guarded(handler, api_key: str):
+    from miles_core.tinker.sampling import SamplingError
     from miles_core.tinker.service import UserError
 
     async def endpoint(request: Request) -> Response:
@@ -88,7 +89,7 @@ def _guarded(handler, api_key: str):
                                    "with", "category": "user"}, 401)
         try:
             return await handler(request)
-        except UserError as e:
+        except (UserError, SamplingError) as e:
             return _json({"error": str(e), "category": "user"}, 400)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             return _json({"error": f"bad request to {request.url.path}: {type(e).__name__}: {e}",
@@ -179,7 +180,7 @@ class _Handlers:
         return _json(self.s.sampler_info(request.path_params["sampler_id"]))
 
     async def asample(self, request: Request) -> Response:
-        request_id, sequence_ids = self.s.sample(await request.json())
+        request_id, sequence_ids = self.s.sampling.sample(await request.json())
         return _future(request_id, None, sample_sequence_ids=sequence_ids)
 
     async def retrieve_future(self, request: Request) -> Response:
@@ -197,6 +198,9 @@ class _Handlers:
         return Response(result.body, media_type=result.content_type)
 
     async def finish_session(self, request: Request) -> Response:
+        body = await request.json()
+        reason = (body.get("reason") or {}).get("type", "success")
+        await asyncio.to_thread(self.s.finish_session, request.path_params["session_id"], reason)
         return _json({})
 
     async def capabilities(self, request: Request) -> Response:
@@ -232,6 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", help="a file holding the API key (it must start with 'tml-'); default: "
                    f"${API_KEY_ENV}, or a new key written to <storage>/tinker/api_key")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter (default 32)")
+    p.add_argument("--prefect", action=argparse.BooleanOptionalAction, default=None,
+                   help="show each training client as a Prefect flow run (default: on when a Prefect API is set, "
+                        "PREFECT_API_URL or `miles server start`)")
 
 
 def resolve_api_key(args: argparse.Namespace) -> tuple[str, str]:
@@ -260,6 +267,12 @@ def resolve_api_key(args: argparse.Namespace) -> tuple[str, str]:
     return key, source
 
 
+def prefect_api_set() -> bool:
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -271,7 +284,13 @@ def run(args: argparse.Namespace) -> int:
     key, source = resolve_api_key(args)
     bases = {name: str(ensure_model(ModelConfig(path=name), log=lambda m: print(m, file=sys.stderr)))
              for name in args.base_model}
-    service = TinkerService(args.storage, bases, storage_options=args.storage_options, lora_alpha=args.lora_alpha)
+    runs = None
+    if args.prefect or (args.prefect is None and prefect_api_set()):
+        from miles_core.tinker.runs import ClientRuns
+
+        runs = ClientRuns()
+    service = TinkerService(args.storage, bases, storage_options=args.storage_options, lora_alpha=args.lora_alpha,
+                            runs=runs)
     app = build_app(service, key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
@@ -284,8 +303,9 @@ def run(args: argparse.Namespace) -> int:
                 return
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        shown = "each training client is a Prefect flow run" if runs else "not shown in Prefect (no API set)"
         print(f"{READY_PREFIX}http://{args.host}:{port} (base models: {', '.join(bases)}; API key from {source}; "
-              f"TINKER_BASE_URL=http://{args.host}:{port})", flush=True)
+              f"{shown}; TINKER_BASE_URL=http://{args.host}:{port})", flush=True)
         await task
 
     asyncio.run(main())

@@ -8,9 +8,8 @@
   ``forward_backward`` calls run together (one forward pass, one backward pass: ``TinkerTrainer``).
   A call waits at most ``seq_wait_s`` for the calls before it (the SDK sends them in order, so a
   gap means a lost request) and then fails saying which ``seq_id`` never came.
-- Sampling (``asample``) runs on the server's event loop in one ``HFEngine`` per base model, which
-  shares the base's weights with the trainer; a sampler made from a snapshot loads it as a named
-  adapter (once; snapshots never change).
+- Sampling runs on the server's event loop (``Samplers``: one engine per base model, snapshots as
+  named adapters).
 - Results are futures (``Futures``); failures are answered as the SDK's ``RequestFailedError``
   (category ``user`` for bad input, ``server`` otherwise), with a message naming what failed.
 - After a restart (kill -9 included) the store still holds every session, training client and
@@ -21,7 +20,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -35,12 +33,12 @@ from typing import Any
 from miles_core.tinker import wire
 from miles_core.tinker.futures import Futures, Result
 from miles_core.tinker.losses import LossError
+from miles_core.tinker.runs import ClientRuns
+from miles_core.tinker.sampling import Sampler, Samplers, SamplingError, adapter_name
 from miles_core.tinker.store import PathError, TinkerPath, TinkerStore, check_name, model_folder
 from miles_core.tinker.trainer import TinkerTrainer
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 256
 
 
 class UserError(ValueError):
@@ -70,35 +68,28 @@ class Client:
     """Why its calls fail until a state is loaded (after a restart)."""
 
 
-@dataclass
-class Sampler:
-    base: str
-    adapter: str | None = None
-    """The engine's name for the snapshot's adapter (None: the base model)."""
-    uri: str | None = None
-    model_path: str | None = None
-
-
 class TinkerService:
     """Sessions, training clients, samplers and their calls (module docstring)."""
 
     def __init__(self, root: str, bases: dict[str, str], storage_options: dict[str, Any] | None = None,
-                 lora_alpha: float = 32.0, seq_wait_s: float = 120.0, gather_s: float = 0.02) -> None:
+                 lora_alpha: float = 32.0, seq_wait_s: float = 120.0, gather_s: float = 0.02,
+                 runs: ClientRuns | None = None) -> None:
         self.store = TinkerStore(root, storage_options)
         self.storage_options = dict(storage_options or {})
         self.bases = {name: os.path.realpath(folder) for name, folder in bases.items()}
         self.trainer = TinkerTrainer(self.bases, lora_alpha=lora_alpha)
+        self.runs = runs
+        """Each training client's Prefect flow run (None: not shown in Prefect)."""
         self.seq_wait_s = seq_wait_s
         self.gather_s = gather_s
         self.clients: dict[str, Client] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
-        self.samplers: dict[str, Sampler] = {}
         self.engines: dict[str, Any] = {}
         self.futures: Futures | None = None
+        self.sampling: Samplers | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._adapter_loads: dict[tuple[str, str], asyncio.Task] = {}
         self.fused_sizes: list[int] = []
         """How many clients' ``forward_backward`` calls each training round ran together."""
 
@@ -110,13 +101,16 @@ class TinkerService:
         from miles_core.engines.hf import HFEngine
 
         self.futures = Futures(asyncio.get_running_loop())
+        self.sampling = Samplers(self.engines, self.futures)
         for base, folder in self.bases.items():
             bank = await asyncio.to_thread(self.trainer.bank, base)
             engine = await asyncio.to_thread(HFEngine, folder, HFEngineConfig())
             engine.share_weights(bank.model)
             self.engines[base] = engine
         for info in await asyncio.to_thread(self.store.models):
-            self.clients[info["model_id"]] = Client(info, lost=self._lost_message(info))
+            client = self.clients[info["model_id"]] = Client(info, lost=self._lost_message(info))
+            if self.runs is not None and info.get("flow_run_id") and not info.get("ended"):
+                self._end(client, "CRASHED", client.lost)
         self._thread = threading.Thread(target=self._train_loop, name="tinker-train", daemon=True)
         self._thread.start()
         log.info("tinker service: bases %s, %d training clients in the store", sorted(self.bases), len(self.clients))
@@ -129,6 +123,28 @@ class TinkerService:
             await asyncio.to_thread(self._thread.join, 30)
         for engine in self.engines.values():
             await engine.close()
+        if self.sampling is not None:
+            self.sampling.close()
+        if self.runs is not None:
+            for client in self.clients.values():
+                if client.live:
+                    self._end(client, "CANCELLED", "the service stopped; the client's saved states are in the store")
+            await asyncio.to_thread(self.runs.close)
+
+    def _end(self, client: Client, state: str, message: str) -> None:
+        """The client's flow run ends (once; the store remembers that it did)."""
+        info = client.info
+        if self.runs is None or info.get("ended"):
+            return
+        self.runs.finished(info["model_id"], state, message, info.get("flow_run_id"))
+        info["ended"] = state
+        self.store.write_json(("models", model_folder(info["model_id"]), "model.json"), info)
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        """The SDK's ``ServiceClient`` closed (``/sessions/<id>/finish``): its clients' runs end."""
+        for client in list(self.clients.values()):
+            if client.info["session_id"] == session_id and client.live:
+                self._end(client, "COMPLETED", f"the client's session finished ({reason})")
 
     def _lost_message(self, info: dict[str, Any]) -> str:
         states = self.store.states(info["model_id"])
@@ -314,6 +330,8 @@ class TinkerService:
                     self._fail(call.request_id, out)
                 else:
                     outputs, metrics = out
+                    if self.runs is not None and not call.payload.forward_only:
+                        self.runs.forward_backward(call.model_id, metrics["loss:sum"], len(outputs))
                     self._resolve(call.request_id, Result(wire.forward_backward_output(outputs, metrics),
                                                           wire.PROTOBUF))
                 self._done(call)
@@ -339,15 +357,23 @@ class TinkerService:
                             info["train_mlp"], info["train_unembed"])
         self.store.write_json(("models", model_folder(call.model_id), "model.json"), info)
         client.live, client.lost = True, None
+        if self.runs is not None:
+            self.runs.started(call.model_id, info, on_created=lambda run_id: self._note_run(client, run_id))
         if call.payload is not None:  # create-via-load
             source, optimizer = call.payload
             self._load(call.model_id, source, optimizer)
             return {"model_id": call.model_id, "path": str(source), "type": "load_weights"}
         return {"model_id": call.model_id, "type": "create_model"}
 
+    def _note_run(self, client: Client, flow_run_id: str) -> None:
+        client.info["flow_run_id"] = flow_run_id
+        self.store.write_json(("models", model_folder(client.info["model_id"]), "model.json"), client.info)
+
     def _run_optim_step(self, call: Call) -> dict[str, Any]:
-        return {"metrics": self.trainer.optim_step(call.model_id, call.payload.get("adam_params") or {}),
-                "type": "optim_step"}
+        metrics = self.trainer.optim_step(call.model_id, call.payload.get("adam_params") or {})
+        if self.runs is not None:
+            self.runs.optim_step(call.model_id, metrics)
+        return {"metrics": metrics, "type": "optim_step"}
 
     def _run_save_weights(self, call: Call) -> dict[str, Any]:
         path = TinkerPath(call.model_id, "weights", check_name(call.payload.get("path") or f"step-{call.seq_id}"))
@@ -357,23 +383,33 @@ class TinkerService:
                 f.write(self.trainer.state_bytes(call.model_id))
             self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "steps": adapter.steps,
                                               "saved_at": time.time(), "base_model": self.clients[call.model_id].info["base_model"]})
+        if self.runs is not None:
+            self.runs.checkpoint(call.model_id, str(path))
         return {"path": str(path), "type": "save_weights"}
 
     def _run_save_weights_for_sampler(self, call: Call) -> dict[str, Any]:
-        name = call.payload.get("path")
-        named = name is not None
-        if not named:  # save_weights_and_get_sampling_client: a snapshot of its own, not named by the client
-            name = f"sampler-{call.seq_id}-{uuid.uuid4().hex[:8]}"
-        path = TinkerPath(call.model_id, "sampler_weights", check_name(name))
+        """A named snapshot goes to the store for good; an unnamed one (``save_weights_and_get_sampling_client``)
+        to the sampling scratch folder, with a sampling session on it."""
         info = self.clients[call.model_id].info
+        name = call.payload.get("path")
+        if name is None:
+            folder = self.sampling.scratch_folder()
+            self.trainer.save_sampler(call.model_id, folder)
+            sampler_id = f"{call.model_id}:sample:{uuid.uuid4().hex[:12]}"
+            self.sampling.add_unnamed(sampler_id, Sampler(info["base"], adapter_name(folder), folder,
+                                                          owner=call.model_id))
+            return {"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+        path = TinkerPath(call.model_id, "sampler_weights", check_name(name))
         with tempfile.TemporaryDirectory() as tmp:
             self.trainer.save_sampler(call.model_id, tmp)
             uri = self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "base": info["base"],
                                                     "base_model": info["base_model"], "saved_at": time.time()})
+        if self.runs is not None:
+            self.runs.checkpoint(call.model_id, str(path))
         out: dict[str, Any] = {"path": str(path), "type": "save_weights_for_sampler"}
-        if call.payload.get("sampling_session_seq_id") is not None or not named:
+        if call.payload.get("sampling_session_seq_id") is not None:
             sampler_id = f"{call.model_id}:sample:{uuid.uuid4().hex[:12]}"
-            self.samplers[sampler_id] = Sampler(info["base"], _adapter_name(str(path)), uri, str(path))
+            self.sampling.add(sampler_id, Sampler(info["base"], adapter_name(str(path)), uri, str(path)))
             out["sampling_session_id"] = sampler_id
         return out
 
@@ -391,6 +427,7 @@ class TinkerService:
 
     def _run_unload_model(self, call: Call) -> dict[str, Any]:
         self.trainer.remove(call.model_id)
+        self._end(self.clients[call.model_id], "COMPLETED", "unloaded")
         self.clients[call.model_id].live = False
         return {"model_id": call.model_id, "type": "unload_model"}
 
@@ -418,122 +455,27 @@ class TinkerService:
             meta = self.store.meta(p)
             if meta["base"] not in self.bases:
                 raise UserError(f"{model_path} was trained on {meta['base_model']!r}, which is not served here")
-            self.samplers[sampler_id] = Sampler(meta["base"], _adapter_name(model_path),
-                                                self.store.url(*self.store.checkpoint(p)), model_path)
+            self.sampling.add(sampler_id, Sampler(meta["base"], adapter_name(model_path),
+                                                  self.store.url(*self.store.checkpoint(p)), model_path))
         elif base_model:
-            self.samplers[sampler_id] = Sampler(self.base_of(base_model))
+            self.sampling.add(sampler_id, Sampler(self.base_of(base_model)))
         else:
             raise UserError("create_sampling_client needs a model_path or a base_model")
         return sampler_id
 
     def sampler_info(self, sampler_id: str) -> dict[str, Any]:
-        sampler = self._sampler(sampler_id)
+        sampler = self.sampling.get(sampler_id)
         return {"sampler_id": sampler_id, "base_model": sampler.base, "model_path": sampler.model_path}
-
-    def _sampler(self, sampler_id: str) -> Sampler:
-        sampler = self.samplers.get(sampler_id)
-        if sampler is None:
-            raise UserError(f"no sampling session {sampler_id!r} on this service (it restarted since, or the id is "
-                            "wrong): create the sampling client again from its model_path")
-        return sampler
-
-    def sample(self, body: dict[str, Any]) -> tuple[str, list[str]]:
-        """``asample``: the request id of its future and one sequence id per sample."""
-        sampler = self._sampler(body.get("sampling_session_id"))
-        n = int(body.get("num_samples", 1))
-        request_id = self.futures.new("sample")
-        task = asyncio.get_running_loop().create_task(self._sample(request_id, sampler, body, n))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return request_id, [f"{request_id}:{i}" for i in range(n)]
-
-    async def _sample(self, request_id: str, sampler: Sampler, body: dict[str, Any], n: int) -> None:
-        from miles_core.engines.base import GenerateRequest
-
-        try:
-            engine = self.engines[sampler.base]
-            if sampler.adapter is not None:
-                await self._ensure_adapter(engine, sampler)
-            prompt = _prompt_tokens(body.get("prompt") or {})
-            params = body.get("sampling_params") or {}
-            max_tokens = params.get("max_tokens") or DEFAULT_MAX_TOKENS
-            requests = [GenerateRequest(prompt, _sampling(params, max_tokens, i), adapter=sampler.adapter)
-                        for i in range(n)] if max_tokens > 0 and n > 0 else []
-            results = await engine.generate(requests)
-            sequences = []
-            for res in results:
-                if res.finish_reason == "abort":
-                    raise RuntimeError("the engine aborted the generation")
-                sequences.append((res.output_ids, res.logprobs, "length" if res.finish_reason == "length" else "stop"))
-            prompt_lp = None
-            if body.get("prompt_logprobs"):
-                prompt_lp = await engine.prompt_logprobs(prompt, sampler.adapter)
-            self._resolve(request_id, Result(wire.sample_response(sequences, prompt_lp), wire.PROTOBUF))
-        except Exception as e:  # noqa: BLE001 - the future carries it
-            self._fail(request_id, e)
-
-    async def _ensure_adapter(self, engine: Any, sampler: Sampler) -> None:
-        """Load the sampler's snapshot into the engine once (every caller waits for the one load)."""
-        key = (sampler.base, sampler.adapter)
-        task = self._adapter_loads.get(key)
-        if task is None:
-            task = asyncio.ensure_future(engine.load_adapter(sampler.adapter, sampler.uri))
-            self._adapter_loads[key] = task
-        try:
-            await asyncio.shield(task)
-        except Exception:
-            if self._adapter_loads.get(key) is task:  # the next call tries again
-                del self._adapter_loads[key]
-            raise
 
     # -- results
 
     def _resolve_json(self, request_id: str, obj: dict[str, Any]) -> None:
-        self._resolve(request_id, Result(json.dumps(obj).encode()))
+        self.futures.resolve(request_id, Result(json.dumps(obj).encode()))
 
     def _resolve(self, request_id: str, result: Result) -> None:
         self.futures.resolve(request_id, result)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        user = isinstance(error, (UserError, LossError, wire.WireError, PathError, KeyError, FileExistsError))
-        message = str(error) if isinstance(error, (UserError, KeyError)) else f"{type(error).__name__}: {error}"
-        if isinstance(error, KeyError):
-            message = str(error.args[0]) if error.args else message
-        if not user:
-            log.warning("tinker: request %s failed: %s", request_id, message)
-        self._resolve(request_id, Result(json.dumps({"error": message, "category": "user" if user else "server"})
-                                         .encode()))
-
-
-def _adapter_name(path: str) -> str:
-    """The engine's name for a sampler snapshot (PEFT module names may not hold '.' or ':')."""
-    return "s" + hashlib.sha1(path.encode()).hexdigest()[:16]
-
-
-def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
-    tokens: list[int] = []
-    for chunk in prompt.get("chunks") or []:
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise UserError(f"a prompt chunk of type {chunk.get('type')!r}; this service samples from text tokens only")
-        tokens.extend(int(t) for t in chunk["tokens"])
-    if not tokens:
-        raise UserError("the prompt has no tokens")
-    return tokens
-
-
-def _sampling(params: dict[str, Any], max_tokens: int, index: int) -> Any:
-    from miles_core.engines.base import SamplingParams
-
-    stop = params.get("stop")
-    stop_strings: tuple[str, ...] = ()
-    stop_ids: tuple[int, ...] = ()
-    if isinstance(stop, str):
-        stop_strings = (stop,)
-    elif stop:
-        stop_strings = tuple(s for s in stop if isinstance(s, str))
-        stop_ids = tuple(int(s) for s in stop if not isinstance(s, str))
-    seed = params.get("seed")
-    return SamplingParams(max_new_tokens=int(max_tokens), temperature=float(params.get("temperature", 1.0)),
-                          top_p=float(params.get("top_p", 1.0)), top_k=int(params.get("top_k", -1)),
-                          stop=stop_strings, stop_token_ids=stop_ids,
-                          seed=None if seed is None else int(seed) + index)
-
+        user = isinstance(error, (UserError, LossError, wire.WireError, PathError, KeyError, FileExistsError,
+                                  SamplingError))
+        self.futures.fail(request_id, error, user)

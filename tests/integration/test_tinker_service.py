@@ -27,14 +27,20 @@ KEY = "tml-test-key"
 
 
 @contextmanager
-def tinker_serve(storage: Path, port: int = 0, key: str = KEY) -> Iterator[tuple[str, subprocess.Popen]]:
-    """The service as a user starts it (``miles tinker-serve``); its URL once it says it is ready."""
+def tinker_serve(storage: Path, port: int = 0, key: str = KEY,
+                 prefect_api: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The service as a user starts it (``miles tinker-serve``); its URL once it says it is ready.
+    With ``prefect_api``, its training clients are flow runs there; without, it has no Prefect API."""
     from miles_core import processes
 
-    env = {**os.environ, "MILES_TINKER_API_KEY": key, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"MILES_TINKER_API_KEY": key, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     log = open(storage.parent / f"serve-{storage.name}.log", "a")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "tinker-serve", "--base-model", "tiny-addition",
-                             "--storage", str(storage), "--port", str(port)], cwd=REPO, env=env,
+                             "--storage", str(storage), "--port", str(port),
+                             "--prefect" if prefect_api else "--no-prefect"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=log, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -209,6 +215,7 @@ def test_kill_9_then_resume_from_the_last_saved_state(tmp_path: Path, sdk) -> No
         assert again == pytest.approx(at_save, rel=1e-5)
         resumed.forward_backward([datum], "cross_entropy").result()  # and it trains on
         assert resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 3
+        service.close("success").result(timeout=30)  # while a service is there to hear it
 
 
 def test_a_wrong_api_key_is_refused(tmp_path: Path, sdk) -> None:
@@ -218,3 +225,52 @@ def test_a_wrong_api_key_is_refused(tmp_path: Path, sdk) -> None:
             service.create_lora_training_client(base_model="tiny-addition", rank=4).result()
     log = (tmp_path / "serve-store.log").read_text()
     assert KEY not in log and "tml-not-the-key" not in log
+
+
+def test_each_training_client_is_a_prefect_flow_run(tmp_path: Path, sdk, prefect_backend: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterTags
+
+    from miles_core import processes
+    from miles_core.tinker.runs import run_key
+
+    types = sdk.types
+    store, port = tmp_path / "store", processes.free_port()
+
+    def runs_by_model() -> dict:
+        with get_client(sync_client=True) as client:
+            found = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["tinker"])))
+        return {r.parameters["model_id"]: r for r in found}
+
+    with tinker_serve(store, port, prefect_api=prefect_backend) as (url, proc):
+        with sdk.ServiceClient(base_url=url, api_key=KEY) as service:
+            tc = service.create_lora_training_client(base_model="tiny-addition", rank=4).result()
+            datum = _datum(types, tc.get_tokenizer(), "12+34=", "46\n")
+            for _ in range(3):
+                tc.forward_backward([datum], "cross_entropy").result()
+                tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            saved = tc.save_state("three").result().path
+            model_id = tc.model_id
+        # the session finished when the ServiceClient closed: its client's run is Completed
+        run = wait_for(lambda: (r := runs_by_model().get(model_id)) and r.state.is_completed() and r, 60,
+                       "the finished client's flow run to be Completed")
+        assert run.name.startswith("tiny-addition-r4-") and run.parameters["rank"] == 4
+        with get_client(sync_client=True) as client:
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+                any_=[run_key(model_id, "steps"), run_key(model_id, "checkpoints")])))
+        latest = {a.key: a for a in sorted(arts, key=lambda a: a.created)}
+        steps = latest[run_key(model_id, "steps")].data
+        assert [row["step"] for row in (steps if isinstance(steps, list) else json.loads(steps))] == [1, 2, 3]
+        assert saved in latest[run_key(model_id, "checkpoints")].data
+
+        service = sdk.ServiceClient(base_url=url, api_key=KEY)  # a client still training when ...
+        live_id = service.create_lora_training_client(base_model="tiny-addition", rank=4).result().model_id
+        wait_for(lambda: runs_by_model().get(live_id), 60, "the second client's flow run")
+        os.kill(proc.pid, signal.SIGKILL)  # ... the service is killed
+        proc.wait(30)
+    with tinker_serve(store, port, prefect_api=prefect_backend):
+        crashed = wait_for(lambda: (r := runs_by_model().get(live_id)) and r.state.is_crashed() and r, 60,
+                           "the killed client's flow run to be Crashed after the restart")
+        assert "restarted" in crashed.state.message and "no saved state" in crashed.state.message
+        assert runs_by_model()[model_id].state.is_completed()  # the finished one stays finished
+        service.close("success").result(timeout=30)  # while a service is there to hear it
