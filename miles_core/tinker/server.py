@@ -119,12 +119,12 @@ class _Handlers:
         return _json({})
 
     async def create_session(self, request: Request) -> Response:
-        session_id = await asyncio.to_thread(self.s.create_session, await request.json())
+        session_id = await asyncio.to_thread(self.s.store.sessions.create, await request.json())
         return _json({"session_id": session_id, "type": "create_session"})
 
     async def heartbeat(self, request: Request) -> Response:
         body = await request.json()
-        if not await asyncio.to_thread(self.s.heartbeat, body.get("session_id")):
+        if not await asyncio.to_thread(self.s.store.sessions.heartbeat, body.get("session_id")):
             return _json({"error": f"unknown session {body.get('session_id')!r}"}, 404)
         return _json({"type": "session_heartbeat"})
 

@@ -4,10 +4,9 @@
   a served base, ``TinkerTrainer``), each kept in the store (``TinkerStore``) as it is made.
 - Training calls (``forward_backward``, ``optim_step``, ``save_weights``,
   ``save_weights_for_sampler``, ``load_weights``) run on one training thread in each client's
-  ``seq_id`` order. Each round takes the next call of every client that has one ready; their
-  ``forward_backward`` calls run together (one forward pass, one backward pass: ``TinkerTrainer``).
-  A call waits at most ``seq_wait_s`` for the calls before it (the SDK sends them in order, so a
-  gap means a lost request) and then fails saying which ``seq_id`` never came.
+  ``seq_id`` order (``CallQueue``). Each round takes the next call of every client that has one
+  ready; their ``forward_backward`` calls run together (one forward pass, one backward pass:
+  ``TinkerTrainer``).
 - Sampling runs on the server's event loop (``Samplers``: one engine per base model, snapshots as
   named adapters).
 - Results are futures (``Futures``); failures are answered as the SDK's ``RequestFailedError``
@@ -27,10 +26,11 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from miles_core.tinker import wire
+from miles_core.tinker.calls import Call, CallQueue, OrderError
 from miles_core.tinker.futures import Futures, Result
 from miles_core.tinker.losses import LossError
 from miles_core.tinker.runs import ClientRuns
@@ -46,24 +46,11 @@ class UserError(ValueError):
 
 
 @dataclass
-class Call:
-    kind: str
-    model_id: str
-    seq_id: int
-    request_id: str
-    payload: Any
-    arrived: float = field(default_factory=time.monotonic)
-
-
-@dataclass
 class Client:
     """A training client the service knows: in memory (``live``) or only in the store (after a restart)."""
 
     info: dict[str, Any]
     live: bool = False
-    next_seq: int | None = None
-    calls: dict[int, Call] = field(default_factory=dict)
-    last_seq: int = 0
     lost: str | None = None
     """Why its calls fail until a state is loaded (after a restart)."""
 
@@ -80,15 +67,11 @@ class TinkerService:
         self.trainer = TinkerTrainer(self.bases, lora_alpha=lora_alpha)
         self.runs = runs
         """Each training client's Prefect flow run (None: not shown in Prefect)."""
-        self.seq_wait_s = seq_wait_s
-        self.gather_s = gather_s
+        self.queue = CallQueue(self._fail, seq_wait_s, gather_s)
         self.clients: dict[str, Client] = {}
-        self.sessions: dict[str, dict[str, Any]] = {}
         self.engines: dict[str, Any] = {}
         self.futures: Futures | None = None
         self.sampling: Samplers | None = None
-        self._cond = threading.Condition()
-        self._closed = False
         self._thread: threading.Thread | None = None
         self.fused_sizes: list[int] = []
         """How many clients' ``forward_backward`` calls each training round ran together."""
@@ -108,7 +91,7 @@ class TinkerService:
             engine.share_weights(bank.model)
             self.engines[base] = engine
         for info in await asyncio.to_thread(self.store.models):
-            client = self.clients[info["model_id"]] = Client(info, lost=self._lost_message(info))
+            client = self.clients[info["model_id"]] = Client(info, lost=self.store.restart_message(info["model_id"]))
             if self.runs is not None and info.get("flow_run_id") and not info.get("ended"):
                 self._end(client, "CRASHED", client.lost)
         self._thread = threading.Thread(target=self._train_loop, name="tinker-train", daemon=True)
@@ -116,9 +99,7 @@ class TinkerService:
         log.info("tinker service: bases %s, %d training clients in the store", sorted(self.bases), len(self.clients))
 
     async def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self.queue.close()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
         for engine in self.engines.values():
@@ -146,35 +127,6 @@ class TinkerService:
             if client.info["session_id"] == session_id and client.live:
                 self._end(client, "COMPLETED", f"the client's session finished ({reason})")
 
-    def _lost_message(self, info: dict[str, Any]) -> str:
-        states = self.store.states(info["model_id"])
-        if not states:
-            return (f"the service restarted and training client {info['model_id']} had no saved state: its "
-                    "adapter was lost; create a new training client")
-        last = states[-1]
-        return (f"the service restarted; training client {info['model_id']}'s last saved state is {last['path']} "
-                f"(seq_id {last['seq_id']}, step {last['steps']}), and its calls after that were lost; "
-                f"load_state_with_optimizer({last['path']!r}) and go on from there")
-
-    # -- sessions
-
-    def create_session(self, body: dict[str, Any]) -> str:
-        session_id = uuid.uuid4().hex
-        record = {"session_id": session_id, "created": time.time(), "tags": body.get("tags") or [],
-                  "sdk_version": body.get("sdk_version"), "display_name": body.get("display_name")}
-        self.sessions[session_id] = record
-        self.store.write_json(("sessions", f"{session_id}.json"), record)
-        return session_id
-
-    def heartbeat(self, session_id: str) -> bool:
-        if session_id not in self.sessions:
-            record = self.store.read_json(("sessions", f"{session_id}.json"))
-            if record is None:
-                return False
-            self.sessions[session_id] = record
-        self.sessions[session_id]["last_heartbeat"] = time.time()
-        return True
-
     # -- training clients
 
     def base_of(self, name: str) -> str:
@@ -197,11 +149,11 @@ class TinkerService:
         """``create_model``, or ``load_weights`` with a session and no model id (create-via-load):
         a new training client; returns the request id of its future."""
         session_id = body.get("session_id")
-        if session_id is None or not self.heartbeat(session_id):
+        if session_id is None or not self.store.sessions.heartbeat(session_id):
             raise UserError(f"unknown session {session_id!r}: create a session first (ServiceClient does)")
         model_id = f"{session_id}:train:{body.get('model_seq_id', 0)}"
         if body.get("type") == "load_weights":
-            source = self._checkpoint(body["path"], "weights")
+            source = self.store.resolve(body["path"], "weights")
             info = dict(self.store.read_json(("models", model_folder(source.model_id), "model.json")) or {})
             if not info:
                 raise UserError(f"{body['path']}: no training client {source.model_id} in the store")
@@ -222,8 +174,8 @@ class TinkerService:
         client = Client(info)
         self.clients[model_id] = client
         request_id = self.futures.new("create_model", model_id)
-        self._enqueue(client, Call("create", model_id, 0, request_id,
-                                   (source, bool(body.get("optimizer"))) if source else None), ordered=False)
+        self.queue.put(Call("create", model_id, 0, request_id, (source, bool(body.get("optimizer"))) if source else None),
+                       ordered=False)
         return request_id
 
     def submit(self, kind: str, model_id: str, seq_id: int | None, payload: Any) -> str:
@@ -232,13 +184,10 @@ class TinkerService:
         request_id = self.futures.new(kind, model_id)
         call = Call(kind, model_id, int(seq_id or 0), request_id, payload)
         if client.lost is not None and kind != "load_weights":
-            self._fail(request_id, UserError(self._lost_calls(client, call.seq_id)))
+            self._fail(request_id, UserError(f"{client.lost} (this call is seq_id {call.seq_id})"))
             return request_id
-        self._enqueue(client, call, ordered=seq_id is not None)
+        self.queue.put(call, ordered=seq_id is not None)
         return request_id
-
-    def _lost_calls(self, client: Client, seq_id: int) -> str:
-        return f"{client.lost} (this call is seq_id {seq_id})"
 
     def _client(self, model_id: str) -> Client:
         client = self.clients.get(model_id)
@@ -246,74 +195,11 @@ class TinkerService:
             raise UserError(f"no training client {model_id!r} on this service")
         return client
 
-    def _enqueue(self, client: Client, call: Call, ordered: bool) -> None:
-        with self._cond:
-            if not ordered:  # runs next, whatever its seq_id
-                call.seq_id = client.next_seq if client.next_seq is not None else -1
-                client.calls.setdefault(call.seq_id, call)
-                if client.next_seq is None:
-                    client.next_seq = -1
-            elif client.next_seq is not None and client.next_seq >= 0 and call.seq_id < client.next_seq:
-                self._fail(call.request_id, UserError(f"{call.model_id}: seq_id {call.seq_id} came after seq_id "
-                                                      f"{client.next_seq - 1} had run; calls run in seq_id order"))
-                return
-            else:
-                client.calls[call.seq_id] = call
-                if client.next_seq is None:
-                    client.next_seq = call.seq_id
-            self._cond.notify_all()
-
     # -- the training thread
 
     def _train_loop(self) -> None:
-        while True:
-            with self._cond:
-                ready = self._ready()
-                while not ready and not self._closed:
-                    self._cond.wait(timeout=1.0)
-                    ready = self._ready()
-                if self._closed:
-                    return
-            if self.gather_s > 0 and any(c.kind == "forward_backward" for c in ready):
-                time.sleep(self.gather_s)  # let other clients' calls that are on their way join this round
-                with self._cond:
-                    ready = self._ready()
+        while (ready := self.queue.take()) is not None:
             self._run_round(ready)
-
-    def _ready(self) -> list[Call]:
-        """The next call of each client, where it is there (called with the lock held); a client
-        whose next call has not come within ``seq_wait_s`` fails the calls waiting behind it."""
-        ready = []
-        now = time.monotonic()
-        for client in self.clients.values():
-            if not client.calls:
-                continue
-            call = client.calls.get(client.next_seq)
-            if call is not None:
-                ready.append(call)
-                continue
-            first = min(client.calls.values(), key=lambda c: c.seq_id)
-            if now - first.arrived > self.seq_wait_s:
-                missing = client.next_seq
-                for c in list(client.calls.values()):
-                    self._fail(c.request_id, UserError(
-                        f"{c.model_id}: waited {self.seq_wait_s:.0f} s for seq_id {missing}, which never came; "
-                        f"seq_id {c.seq_id} cannot run before it"))
-                client.calls.clear()
-                client.next_seq = None
-        return ready
-
-    def _done(self, call: Call) -> None:
-        with self._cond:
-            client = self.clients[call.model_id]
-            client.calls.pop(call.seq_id, None)
-            if call.seq_id >= 0:
-                client.last_seq = call.seq_id
-                client.next_seq = call.seq_id + 1
-            elif client.calls:  # an unordered call ran: the next is the lowest waiting
-                client.next_seq = min(client.calls)
-            else:
-                client.next_seq = None
 
     def _run_round(self, ready: list[Call]) -> None:
         fused = [c for c in ready if c.kind == "forward_backward"]
@@ -334,7 +220,7 @@ class TinkerService:
                         self.runs.forward_backward(call.model_id, metrics["loss:sum"], len(outputs))
                     self._resolve(call.request_id, Result(wire.forward_backward_output(outputs, metrics),
                                                           wire.PROTOBUF))
-                self._done(call)
+                self.queue.done(call)
         for call in ready:
             if call.kind == "forward_backward":
                 continue
@@ -342,7 +228,7 @@ class TinkerService:
                 self._resolve_json(call.request_id, getattr(self, f"_run_{call.kind}")(call))
             except Exception as e:  # noqa: BLE001 - the call's future carries it
                 self._fail(call.request_id, e)
-            self._done(call)
+            self.queue.done(call)
 
     def _alone(self, call: Call) -> Any:
         try:
@@ -414,7 +300,7 @@ class TinkerService:
         return out
 
     def _run_load_weights(self, call: Call) -> dict[str, Any]:
-        source = self._checkpoint(call.payload["path"], "weights")
+        source = self.store.resolve(call.payload["path"], "weights")
         client = self.clients[call.model_id]
         if not client.live:  # after a restart: its adapter comes back first
             info = client.info
@@ -434,24 +320,13 @@ class TinkerService:
     def _load(self, model_id: str, source: TinkerPath, optimizer: bool) -> None:
         self.trainer.load_state(model_id, self.store.read_file(source, "state.pt"), optimizer)
 
-    def _checkpoint(self, path: str, kind: str) -> TinkerPath:
-        try:
-            p = TinkerPath.parse(path)
-        except PathError as e:
-            raise UserError(str(e)) from None
-        if p.kind != kind:
-            raise UserError(f"{path}: a {p.kind} checkpoint; this call needs a {kind} one")
-        if not self.store.exists(p):
-            raise UserError(f"{path}: no such checkpoint in {self.store.url()}")
-        return p
-
     # -- sampling
 
     def create_sampler(self, body: dict[str, Any]) -> str:
         model_path, base_model = body.get("model_path"), body.get("base_model")
         sampler_id = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id', uuid.uuid4().hex[:8])}"
         if model_path:
-            p = self._checkpoint(model_path, "sampler_weights")
+            p = self.store.resolve(model_path, "sampler_weights")
             meta = self.store.meta(p)
             if meta["base"] not in self.bases:
                 raise UserError(f"{model_path} was trained on {meta['base_model']!r}, which is not served here")
@@ -477,5 +352,5 @@ class TinkerService:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         user = isinstance(error, (UserError, LossError, wire.WireError, PathError, KeyError, FileExistsError,
-                                  SamplingError))
+                                  SamplingError, OrderError))
         self.futures.fail(request_id, error, user)

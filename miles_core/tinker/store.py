@@ -2,7 +2,7 @@
 
 Layout under ``<root>/tinker/`` (any fsspec URL: local folders, ``s3://``):
 
-- ``sessions/<session_id>.json``: a client session (when, tags, SDK version).
+- ``sessions/<session_id>.json``: a client session (when, tags, SDK version): ``Sessions``.
 - ``models/<folder>/model.json``: a training client (model id, session, base model, LoRA rank and
   targets, seed); ``<folder>`` is the model id with ``:`` as ``-``.
 - ``models/<folder>/weights/<name>/state.pt`` + ``meta.json``: a ``save_state`` (adapter, optimizer,
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,7 @@ class TinkerStore:
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         self.storage, base = RetryingFS.open(root, storage_options)
         self.base = join(base, "tinker")
+        self.sessions = Sessions(self)
 
     def path(self, *parts: str) -> str:
         return join(self.base, *parts)
@@ -78,6 +81,26 @@ class TinkerStore:
 
     def checkpoint(self, p: TinkerPath) -> tuple[str, ...]:
         return ("models", model_folder(p.model_id), p.kind, p.name)
+
+    def resolve(self, path: str, kind: str) -> TinkerPath:
+        """The checkpoint ``path`` names, which must be of ``kind`` and exist (``PathError`` otherwise)."""
+        p = TinkerPath.parse(path)
+        if p.kind != kind:
+            raise PathError(f"{path}: a {p.kind} checkpoint; this call needs a {kind} one")
+        if not self.exists(p):
+            raise PathError(f"{path}: no such checkpoint in {self.url()}")
+        return p
+
+    def restart_message(self, model_id: str) -> str:
+        """What a restarted service tells a training client it knows only from the store."""
+        states = self.states(model_id)
+        if not states:
+            return (f"the service restarted and training client {model_id} had no saved state: its adapter was "
+                    "lost; create a new training client")
+        last = states[-1]
+        return (f"the service restarted; training client {model_id}'s last saved state is {last['path']} "
+                f"(seq_id {last['seq_id']}, step {last['steps']}), and its calls after that were lost; "
+                f"load_state_with_optimizer({last['path']!r}) and go on from there")
 
     def exists(self, p: TinkerPath) -> bool:
         return self.storage.exists(self.path(*self.checkpoint(p), "meta.json"))
@@ -120,3 +143,29 @@ class TinkerStore:
         metas = [self.read_json(("models", model_folder(model_id), "weights", n, "meta.json"))
                  for n in list_names(self.storage.fs, folder)]
         return sorted((m for m in metas if m), key=lambda m: m["saved_at"])
+
+
+class Sessions:
+    """The SDK's client sessions, each a file in the store (so they outlive a restart)."""
+
+    def __init__(self, store: TinkerStore) -> None:
+        self.store = store
+        self.known: dict[str, dict[str, Any]] = {}
+
+    def create(self, body: dict[str, Any]) -> str:
+        session_id = uuid.uuid4().hex
+        record = {"session_id": session_id, "created": time.time(), "tags": body.get("tags") or [],
+                  "sdk_version": body.get("sdk_version"), "display_name": body.get("display_name")}
+        self.known[session_id] = record
+        self.store.write_json(("sessions", f"{session_id}.json"), record)
+        return session_id
+
+    def heartbeat(self, session_id: str) -> bool:
+        """Whether the session exists (in memory, or in the store after a restart)."""
+        if session_id not in self.known:
+            record = self.store.read_json(("sessions", f"{session_id}.json"))
+            if record is None:
+                return False
+            self.known[session_id] = record
+        self.known[session_id]["last_heartbeat"] = time.time()
+        return True

@@ -129,6 +129,11 @@ def test_every_call_of_the_sdk(tmp_path: Path, sdk) -> None:
         assert tok.decode(got.sequences[0].tokens).startswith("46")  # what it was trained to say
         current = tc.save_weights_and_get_sampling_client().result()
         assert current.sample(prompt, 1, params).result().sequences[0].tokens == got.sequences[0].tokens
+        for _ in range(4):  # the service keeps a client's newest 4 unnamed snapshots
+            newer = tc.save_weights_and_get_sampling_client().result()
+        assert newer.sample(prompt, 1, params).result().sequences[0].tokens == got.sequences[0].tokens
+        with pytest.raises(sdk.BadRequestError, match="older than the newest 4"):
+            current.sample(prompt, 1, params).result()
         base = service.create_sampling_client(base_model="tiny-addition")
         assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) == 3
 

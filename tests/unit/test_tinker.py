@@ -222,3 +222,60 @@ def test_a_non_finite_gradient_is_not_stepped(tiny_folder: str) -> None:
 
     for k, p in t.get("m").params.items():
         assert torch.equal(p, before[k])
+
+
+# ------------------------------------------------------------------------------------- call order
+
+
+def _queue(seq_wait_s: float = 60.0):
+    from miles_core.tinker.calls import CallQueue
+
+    failed: dict[str, str] = {}
+    return CallQueue(lambda rid, e: failed.__setitem__(rid, str(e)), seq_wait_s, gather_s=0), failed
+
+
+def _c(model_id: str, seq: int, kind: str = "optim_step"):
+    from miles_core.tinker.calls import Call
+
+    return Call(kind, model_id, seq, f"{model_id}-{seq}", None)
+
+
+def test_calls_run_in_seq_id_order_whatever_order_they_arrive_in() -> None:
+    q, failed = _queue()
+    q.put(_c("m", 0, "create"), ordered=False)
+    for seq in (3, 1, 2):
+        q.put(_c("m", seq))
+    q.put(_c("other", 7))
+
+    rounds = []
+    while ready := q._ready():
+        rounds.append(sorted(c.request_id for c in ready))
+        for c in ready:
+            q.done(c)
+
+    assert rounds == [["m-0", "other-7"], ["m-1"], ["m-2"], ["m-3"]]  # one call per client a round
+    assert not failed
+
+
+def test_a_call_below_one_that_ran_is_refused() -> None:
+    q, failed = _queue()
+    q.put(_c("m", 1))
+    q.done(q._ready()[0])
+    q.put(_c("m", 1))
+    assert "seq_id 1 came after seq_id 1 had run" in failed["m-1"]
+
+
+def test_a_gap_that_never_fills_fails_the_calls_behind_it_by_name() -> None:
+    q, failed = _queue(seq_wait_s=0.0)
+    q.put(_c("m", 1))
+    q.done(q._ready()[0])
+    q.put(_c("m", 3))  # seq_id 2 never comes
+
+    assert q._ready() == []
+    assert "waited 0 s for seq_id 2, which never came; seq_id 3 cannot run before it" in failed["m-3"]
+
+
+def test_take_returns_none_once_closed() -> None:
+    q, _ = _queue()
+    q.close()
+    assert q.take() is None
