@@ -10,6 +10,7 @@ and flags, as ``miles train``):
 - ``rollout/fleet``: one rollout producer of a fully-async run (``--rollout-deployment rollout/fleet``
   launches the run's producers as flow runs of it);
 - ``evaluate-run/on-demand``: evaluate a run folder's newest (or a given) version;
+- ``tinker-service/serve``: the Tinker API (``miles tinker-serve``) until the run is cancelled;
 - ``evaluate-run/scheduled`` (with ``--eval-runs PATH`` and ``--eval-cron`` or ``--eval-every-s``):
   the same on a schedule, over ``PATH``: a run folder, or ``<storage.root>/<name>`` for the newest
   run of that name; a tick with no run yet, or whose newest version was evaluated before, is one
@@ -52,6 +53,7 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     from flows.evaluate import evaluate_run
     from flows.multi_lora import train_multi_lora
     from flows.rollout import rollout
+    from flows.tinker import tinker_service
     from flows.train import train
 
     cfg = absolute_paths(cfg, Path.cwd())
@@ -77,6 +79,11 @@ def deployments(cfg: RunConfig, eval_runs: str | None = None, eval_cron: str | N
     ))
     out.append(evaluate_run.to_deployment(
         name="on-demand", tags=["eval"], description="Evaluate a run folder's newest (or a given) version.",
+    ))
+    out.append(tinker_service.to_deployment(
+        name="serve", tags=["tinker"], parameters={"storage": cfg.storage.root},
+        description="The Tinker API (the tinker SDK and tinker-cookbook) until cancelled; each training client "
+                    "is a flow run of tinker-training-client. The API key: MILES_TINKER_API_KEY on the worker.",
     ))
     if eval_runs is not None:
         if (eval_cron is None) == (eval_every_s is None):

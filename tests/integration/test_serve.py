@@ -153,7 +153,7 @@ def _assert_run_artifacts(flow_run_id, run_dir: str) -> None:
 
 def test_deployments_are_registered_with_the_run_config_form(serving, tiny_model_dir, runs_root):
     for name in ("train/sync", "train/async", "train/fully-async", "train-multi-lora/multi-lora",
-                 "rollout/fleet", "evaluate-run/on-demand", "evaluate-run/scheduled"):
+                 "rollout/fleet", "evaluate-run/on-demand", "evaluate-run/scheduled", "tinker-service/serve"):
         assert _deployment(name) is not None, name
     sync = _deployment("train/sync")
     # the parameter is the pydantic RunConfig: the UI renders (and validates) a form from this schema
@@ -384,7 +384,7 @@ def test_the_ui_shows_the_deployment_and_the_completed_run_with_its_artifacts(se
     image = _latest(_artifacts(api_run.id)["image"])
     with _screenshot_on_failure(page, "ui-artifacts"):
         page.goto(f"{page.ui}/deployments")
-        expect(page.get_by_text("7 Deployments")).to_be_visible()  # rollout/fleet among them
+        expect(page.get_by_text("8 Deployments")).to_be_visible()  # rollout/fleet and tinker-service/serve among them
         page.screenshot(path=SCREENSHOTS / "ui-deployments.png")
         page.get_by_role("link", name="sync", exact=True).click()  # the training deployment's page
         expect(page).to_have_url(re.compile(f"/deployments/deployment/{deployment.id}"))

@@ -279,3 +279,33 @@ def test_each_training_client_is_a_prefect_flow_run(tmp_path: Path, sdk, prefect
         assert "restarted" in crashed.state.message and "no saved state" in crashed.state.message
         assert runs_by_model()[model_id].state.is_completed()  # the finished one stays finished
         service.close("success").result(timeout=30)  # while a service is there to hear it
+
+
+def test_the_service_runs_as_a_flow_of_a_deployment(tmp_path: Path, sdk, prefect_backend: str) -> None:
+    """``tinker-service/serve``'s flow, as a worker runs it: the API answers, the flow run is Running."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    from miles_core import processes
+
+    port = processes.free_port()
+    code = ("from flows.tinker import tinker_service; "
+            f"tinker_service(base_models=['tiny-addition'], storage={str(tmp_path / 'store')!r}, port={port})")
+    env = {**os.environ, "MILES_TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "PREFECT_API_URL": prefect_backend}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any("ready on" in ln for ln in lines) or proc.poll() is not None, 120,
+                 "the tinker-service flow's ready line")
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        with sdk.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY) as service:
+            tc = service.create_lora_training_client(base_model="tiny-addition", rank=4).result()
+            assert tc.get_info().lora_rank == 4
+        with get_client(sync_client=True) as client:
+            [run] = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["tinker-service"])))
+        assert run.state.is_running()
+        assert KEY not in "".join(lines)
+    finally:
+        processes.terminate(proc)

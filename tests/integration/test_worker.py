@@ -36,7 +36,7 @@ def test_prefect_yaml_deployments_run_on_a_worker(postgres_backend, tiny_model_d
     out = _prefect(postgres_backend, "deploy", "--all")
     with get_client(sync_client=True) as client:
         for name in ("train/sync", "train/async", "train/fully-async", "train-multi-lora/multi-lora",
-                     "evaluate-run/on-demand"):
+                     "evaluate-run/on-demand", "tinker-service/serve"):
             deployment = client.read_deployment_by_name(name)
             assert deployment.work_pool_name == "miles", (name, out)
         assert client.read_deployment_by_name("rollout/fleet").work_pool_name == "rollout", out
