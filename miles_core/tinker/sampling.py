@@ -32,6 +32,9 @@ from miles_core.tinker.futures import Futures, Result
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+UNSUPPORTED = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k",
+               "record_stability_info")
+"""Sampling options the service refuses rather than ignores (a client asking for them would get none)."""
 
 
 class SamplingError(ValueError):
@@ -70,6 +73,7 @@ class Samplers:
         self._loads: dict[tuple[str, str], asyncio.Task] = {}
         self._recent: dict[str, collections.OrderedDict[str, None]] = collections.defaultdict(collections.OrderedDict)
         self._in_use: collections.Counter[str] = collections.Counter()
+        self._tasks: set[asyncio.Task] = set()
 
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)
@@ -109,10 +113,18 @@ class Samplers:
     def sample(self, body: dict[str, Any]) -> tuple[str, list[str]]:
         """``asample``: the request id of its future and one sequence id per sample (on the event loop)."""
         sampler = self.get(body.get("sampling_session_id"))
+        unsupported = [k for k in UNSUPPORTED if body.get(k)]
+        if unsupported:
+            raise SamplingError(f"sample: {', '.join(unsupported)} are not supported by this service (docs/tinker.md)")
+        if (body.get("sampling_params") or {}).get("stop") == []:
+            raise SamplingError("sample: stop=[] (no stop at the end-of-sequence token) is not supported by this "
+                                "service; leave stop out to stop at EOS, or give stop strings or token ids")
         n = int(body.get("num_samples", 1))
         prompt = prompt_tokens(body.get("prompt") or {})
         request_id = self.futures.new("sample")
-        asyncio.get_running_loop().create_task(self._sample(request_id, sampler, body, prompt, n))
+        task = asyncio.get_running_loop().create_task(self._sample(request_id, sampler, body, prompt, n))
+        self._tasks.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._tasks.discard)
         return request_id, [f"{request_id}:{i}" for i in range(n)]
 
     async def _sample(self, request_id: str, sampler: Sampler, body: dict[str, Any], prompt: list[int],
@@ -134,7 +146,13 @@ class Samplers:
                 if res.finish_reason == "abort":
                     raise RuntimeError("the engine aborted the generation (it is shutting down)")
                 sequences.append((res.output_ids, res.logprobs, "length" if res.finish_reason == "length" else "stop"))
-            prompt_lp = await engine.prompt_logprobs(prompt, sampler.adapter) if body.get("prompt_logprobs") else None
+            prompt_lp = None
+            if body.get("prompt_logprobs"):
+                prompt_lp = await engine.prompt_logprobs(prompt, sampler.adapter)
+                last_n = body.get("prompt_logprobs_last_n")
+                if last_n is not None:  # the SDK asks for the last n only: the others are "none"
+                    keep = max(0, len(prompt_lp) - int(last_n))
+                    prompt_lp = [float("nan")] * keep + prompt_lp[keep:]
             self.futures.resolve(request_id, Result(wire.sample_response(sequences, prompt_lp), wire.PROTOBUF))
         except Exception as e:  # noqa: BLE001 - the future carries it
             self.futures.fail(request_id, e, user=isinstance(e, (SamplingError, ValueError)))

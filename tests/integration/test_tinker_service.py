@@ -134,6 +134,8 @@ def test_every_call_of_the_sdk(tmp_path: Path, sdk) -> None:
         assert newer.sample(prompt, 1, params).result().sequences[0].tokens == got.sequences[0].tokens
         with pytest.raises(sdk.BadRequestError, match="older than the newest 4"):
             current.sample(prompt, 1, params).result()
+        with pytest.raises(sdk.BadRequestError, match="topk_prompt_logprobs are not supported"):
+            newer.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=2).result()
         base = service.create_sampling_client(base_model="tiny-addition")
         assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) == 3
 
