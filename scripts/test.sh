@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 # vLLM's own environment (its server runs there; tests/integration/test_engine_vllm.py): built once
 scripts/setup-vllm.sh >/dev/null
+# the tinker-cookbook's own environment (its recipes run against `miles tinker-serve`;
+# tests/integration/test_tinker_cookbook.py): built once
+scripts/setup-tinker-cookbook.sh >/dev/null
 # SGLang's package alone (no dependencies, not importable here): tests/unit/test_sglang_types.py reads
 # its request types' source; the version is SGLANG_VERSION in miles_core/engines/sglang.py
 SGLANG_VERSION=$(sed -n 's/^SGLANG_VERSION = "\(.*\)"/\1/p' miles_core/engines/sglang.py)

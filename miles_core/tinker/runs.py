@@ -114,7 +114,7 @@ class ClientRuns:
         run = self._runs.get(model_id)
         if run is None:
             return
-        run.rows.append({"step": int(metrics.get("step", len(run.rows) + 1)), "loss": run.pending["loss"],
+        run.rows.append({"step": int(metrics.get("optimizer_steps", len(run.rows) + 1)), "loss": run.pending["loss"],
                          "datums": int(run.pending["datums"]), "grad_norm": metrics.get("grad_norm"),
                          "learning_rate": metrics.get("learning_rate")})
         run.pending = {"loss": 0.0, "datums": 0}

@@ -207,7 +207,8 @@ class TinkerTrainer:
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
         adapter.pending_grads = False
-        return {"grad_norm": norm, "learning_rate": lr, "step": float(adapter.steps)}
+        # names of our own: a client logs these beside its metrics (the cookbook's "step" is its own)
+        return {"grad_norm": norm, "learning_rate": lr, "optimizer_steps": float(adapter.steps)}
 
     # -- state
 

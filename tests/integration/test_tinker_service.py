@@ -11,52 +11,15 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.waiting import wait_for
+from tinker_serving import KEY, REPO, tinker_serve
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-KEY = "tml-test-key"
-
-
-@contextmanager
-def tinker_serve(storage: Path, port: int = 0, key: str = KEY,
-                 prefect_api: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """The service as a user starts it (``miles tinker-serve``); its URL once it says it is ready.
-    With ``prefect_api``, its training clients are flow runs there; without, it has no Prefect API."""
-    from miles_core import processes
-
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update({"MILES_TINKER_API_KEY": key, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    if prefect_api:
-        env["PREFECT_API_URL"] = prefect_api
-    log = open(storage.parent / f"serve-{storage.name}.log", "a")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "tinker-serve", "--base-model", "tiny-addition",
-                             "--storage", str(storage), "--port", str(port),
-                             "--prefect" if prefect_api else "--no-prefect"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=log, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    try:
-        ready = wait_for(lambda: next((ln for ln in lines if "ready on" in ln), None) or proc.poll() is not None,
-                         120, "the tinker service's ready line")
-        assert proc.poll() is None, f"miles tinker-serve exited {proc.returncode}: {_tail(log.name)}"
-        yield ready.split("ready on ", 1)[1].split()[0], proc
-    finally:
-        if proc.poll() is None:
-            processes.terminate(proc)
-        log.close()
-
-
-def _tail(path: str) -> str:
-    return Path(path).read_text()[-3000:]
 
 
 @pytest.fixture
@@ -221,7 +184,7 @@ def test_kill_9_then_resume_from_the_last_saved_state(tmp_path: Path, sdk) -> No
         again = resumed.forward([datum], "cross_entropy").result().metrics["loss:sum"]
         assert again == pytest.approx(at_save, rel=1e-5)
         resumed.forward_backward([datum], "cross_entropy").result()  # and it trains on
-        assert resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 3
+        assert resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["optimizer_steps"] == 3
         service.close("success").result(timeout=30)  # while a service is there to hear it
 
 
