@@ -248,12 +248,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-tinker-") as root:
         if "parity" in args.parts:
             sections.append("### The cookbook's RL loop through the service\n\n" + parity(args, root))
+            print(sections[-1], file=sys.stderr, flush=True)
         if "clients" in args.parts:
             sections.append("### Concurrent training clients\n\n" + clients(args, root))
-    import tinker
+            print(sections[-1], file=sys.stderr, flush=True)
+    from importlib.metadata import version
 
     head = (f"Command: `.venv/bin/python bench/tinker.py {' '.join(sys.argv[1:])}`\n\n"
-            f"Model: {args.model}; tinker {tinker.__version__}; load average {load_before:.2f} before, "
+            f"Model: {args.model}; tinker {version('tinker')}; load average {load_before:.2f} before, "
             f"{os.getloadavg()[0]:.2f} after.\n\n")
     text = head + "\n\n".join(sections) + "\n"
     print(text)

@@ -279,3 +279,45 @@ def test_take_returns_none_once_closed() -> None:
     q, _ = _queue()
     q.close()
     assert q.take() is None
+
+
+# -------------------------------------------------------------------------------------- sampling
+
+
+def test_engine_keeps_at_most_its_cap_of_snapshots_and_reloads_an_evicted_one(tiny_folder: str, tmp_path) -> None:
+    import asyncio
+
+    from tinker.proto import response_conv
+
+    from miles_core.config import HFEngineConfig
+    from miles_core.engines.hf import HFEngine
+    from miles_core.tinker.futures import Futures
+    from miles_core.tinker.sampling import Sampler, Samplers, adapter_name
+
+    t = _trainer(tiny_folder, {"a": 4, "b": 4, "c": 4})
+    folders = {}
+    for model_id in ("a", "b", "c"):
+        t.forward_backward([_call(model_id, "cross_entropy", 7)])
+        t.optim_step(model_id, {"learning_rate": 5e-2})
+        folders[model_id] = str(tmp_path / model_id)
+        t.save_sampler(model_id, folders[model_id])
+
+    async def main() -> list[list[int]]:
+        engine = HFEngine(tiny_folder, HFEngineConfig())
+        engine.share_weights(t.banks["tiny"].model)
+        sampling = Samplers({"tiny": engine}, Futures(asyncio.get_running_loop()), engine_adapters=2)
+        for model_id, folder in folders.items():
+            sampling.add(model_id, Sampler("tiny", adapter_name(folder), folder))
+        body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4, 74, 5, 6, 82]}]},
+                "sampling_params": {"max_tokens": 3, "temperature": 0.0}}
+        out = []
+        for model_id in ("a", "b", "c", "a"):  # "a" is evicted by "c", then comes back from its folder
+            request_id, _ = sampling.sample({**body, "sampling_session_id": model_id})
+            result = await sampling.futures.wait(request_id)
+            out.append(response_conv.deserialize_sample_response(result.body).sequences[0].tokens)
+            assert len(engine.adapters) <= 2
+        await engine.close()
+        return out
+
+    a, _, _, a_again = asyncio.run(main())
+    assert a == a_again
