@@ -32,6 +32,9 @@ TITLES = {
     "real_model": "A real model: memory and disk of SmolLM2-135M-Instruct runs (bench/real_model.py)",
     "rewards": "Rewards: the math reward against math-verify alone, and each reward's time per call (bench/rewards.py)",
     "real_model-vllm": "A real model on the vLLM engine (bench/real_model.py)",
+    "tinker": "The Tinker API: the cookbook's RL loop through miles tinker-serve vs miles train, concurrent clients (bench/tinker.py)",
+    "tinker_smollm2": "The Tinker API on SmolLM2-135M-Instruct: the cookbook's arithmetic recipe, concurrent clients (bench/tinker.py --model smollm2-135m-instruct)",
+    "peer_trl_smollm2_idle": "Against TRL's GRPOTrainer on SmolLM2-135M-Instruct, rerun (bench/peer_trl.py --model smollm2-135m-instruct --systems trl,sync,async)",
 }
 
 
