@@ -199,7 +199,13 @@ class TinkerService:
 
     def _train_loop(self) -> None:
         while (ready := self.queue.take()) is not None:
-            self._run_round(ready)
+            try:
+                self._run_round(ready)
+            except BaseException as e:  # noqa: BLE001 - a bug here must fail the round's calls, not hang them
+                log.exception("tinker: a training round failed")
+                for call in ready:  # answered calls keep their answer (a future is set once)
+                    self._fail(call.request_id, e)
+                    self.queue.done(call)
 
     def _run_round(self, ready: list[Call]) -> None:
         fused = [c for c in ready if c.kind == "forward_backward"]

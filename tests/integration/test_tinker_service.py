@@ -274,3 +274,24 @@ def test_the_service_runs_as_a_flow_of_a_deployment(tmp_path: Path, sdk, prefect
         assert KEY not in "".join(lines)
     finally:
         processes.terminate(proc)
+
+
+def test_a_result_survives_a_reconnect_and_an_unknown_request_is_named(tmp_path: Path) -> None:
+    """The SDK's wire, spoken by hand: a future's result is there for a new connection too."""
+    import httpx
+
+    headers = {"X-API-Key": KEY}
+    with tinker_serve(tmp_path / "store") as (url, _):
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as first:
+            session = first.post("/api/v1/create_session", json={"tags": [], "type": "create_session"}).json()
+            future = first.post("/api/v1/create_model", json={
+                "session_id": session["session_id"], "model_seq_id": 0, "base_model": "tiny-addition",
+                "lora_config": {"rank": 4}, "type": "create_model"}).json()
+        answers = []
+        for _ in range(2):  # two new connections, as a client that reconnects makes
+            with httpx.Client(base_url=url, headers=headers, timeout=60) as again:
+                answers.append(again.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json())
+        assert answers[0] == answers[1] == {"model_id": f"{session['session_id']}:train:0", "type": "create_model"}
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            lost = c.post("/api/v1/retrieve_future", json={"request_id": "forward_backward-nope"}).json()
+        assert lost["category"] == "server" and "unknown to this service" in lost["error"]
