@@ -212,8 +212,11 @@ class _Handlers:
 
     async def stats(self, request: Request) -> Response:
         """This service's own (not the SDK's): what ran, for tests and benchmarks."""
+        import dataclasses
+
         return _json({"fused_sizes": self.s.fused_sizes, "training_clients": len(self.s.clients),
-                      "pending": self.s.futures.pending()})
+                      "pending": self.s.futures.pending(),
+                      "engines": {base: dataclasses.asdict(e.stats) for base, e in self.s.engines.items()}})
 
     async def training_run(self, request: Request) -> Response:
         return _json({"error": "training runs are not listed by this service"}, 404)
