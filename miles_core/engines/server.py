@@ -19,14 +19,15 @@ Endpoints (SGLang 0.5.x shapes):
   ``meta_info`` {``id``, ``finish_reason`` (``{"type": "stop", "matched": token id | string}``,
   ``{"type": "length", "length": n}``, ``{"type": "abort", "message"}``), ``prompt_tokens``,
   ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``output_token_logprobs``
-  (``[logprob, token_id, text | null]``)}. A client that disconnects cancels its request.
+  (``[logprob, token_id, text | null]``), and with ``logprob_start_len`` 0 ``input_token_logprobs``
+  (the first one's logprob null)}. A client that disconnects cancels its request.
 - ``POST /update_weights_from_disk`` {``model_path`` (any fsspec URL of a safetensors file or
   folder; read with the server's own storage options), ``weight_version``, ``abort_all_requests``}:
   loads once the running batch is done; ``{"success", "message", "num_paused_requests"}``, 400 on failure.
 - ``POST /pause_generation`` {``mode``: ``abort`` (default) | ``in_place`` | ``retract``},
   ``POST /continue_generation``, ``POST /abort_request`` {``abort_all``}, ``POST /load_lora_adapter``
   {``lora_name``, ``lora_path``} (a PEFT adapter folder; ``lora_path`` in ``/generate`` then names
-  the adapter a request uses), ``POST /flush_cache`` (no cache: a no-op),
+  the adapter a request uses), ``POST /unload_lora_adapter`` {``lora_name``}, ``POST /flush_cache`` (no cache: a no-op),
   ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_weight_version``.
 - ``GET /stats`` (this server's own, not SGLang's): the engine's ``EngineStats`` as a JSON object
   (requests received, first tokens sampled, dispatches, ...), so a client can follow its progress.
@@ -34,7 +35,8 @@ Endpoints (SGLang 0.5.x shapes):
 Where it differs from SGLang: no continuous batching (a request that arrives while a batch runs
 waits for the next one, as in ``HFEngine``); ``in_place`` and ``retract`` pauses let the running
 batch finish, and return when it has, instead of freezing it; abort by ``rid`` is refused (only
-``abort_all``); ``text`` prompts, streaming and prompt logprobs are refused with 400; weight versions
+``abort_all``); ``text`` prompts, streaming and prompt logprobs from a later token
+(``logprob_start_len`` > 0) are refused with 400; weight versions
 are integers (reported as strings, ``"0"`` at start where SGLang says ``"default"``); ``/health``
 does not run a generation.
 
@@ -116,6 +118,7 @@ def build_app(engine: HFEngine, model_path: str) -> Starlette:
         ("/continue_generation", h.continue_generation, ["POST"]),
         ("/abort_request", h.abort_request, ["POST"]),
         ("/load_lora_adapter", h.load_lora_adapter, ["POST"]),
+        ("/unload_lora_adapter", h.unload_lora_adapter, ["POST"]),
         ("/flush_cache", h.flush_cache, ["GET", "POST"]),
         ("/health", h.health, ["GET"]),
         ("/health_generate", h.health, ["GET"]),
@@ -159,6 +162,9 @@ class _Handlers:
             return _json({"error": {"message": "client disconnected"}}, 499)
         try:
             results = work.result()
+            for req, opt in zip(reqs, options):
+                if opt["prompt_logprobs"]:
+                    opt["prompt_logprobs"] = await self.engine.prompt_logprobs(req.prompt_ids, req.adapter)
         except ValueError as e:
             return _error(400, str(e))
         except Exception as e:
@@ -189,6 +195,9 @@ class _Handlers:
             ids = res.output_ids
             texts = [tok.decode([t]) for t in ids] if opt["text_in_logprobs"] else [None] * len(ids)
             meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(res.logprobs, res.output_ids, texts)]
+        if opt["prompt_logprobs"]:  # SGLang: the first prompt token's logprob is null
+            meta["input_token_logprobs"] = [[None if k == 0 else lp, t, None]
+                                            for k, (lp, t) in enumerate(zip(opt["prompt_logprobs"], req.prompt_ids))]
         return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
 
     async def update_weights_from_disk(self, request: Request) -> Response:
@@ -243,6 +252,17 @@ class _Handlers:
         loaded = {name: name for name in getattr(self.engine, "adapters", [])}
         return _json({"success": True, "error_message": "", "loaded_adapters": loaded})
 
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await _json_body(request, default={})
+        name = body.get("lora_name")
+        if name not in getattr(self.engine, "adapters", []):
+            return _json({"success": False, "error_message": f"adapter {name!r} is not loaded", "loaded_adapters": {}},
+                         400)
+        unloaded = await self.engine.unload_adapter(name)
+        loaded = {name: name for name in getattr(self.engine, "adapters", [])}
+        message = "" if unloaded else f"adapter {name!r} is the only one loaded: it stays (PEFT keeps one)"
+        return _json({"success": unloaded, "error_message": message, "loaded_adapters": loaded}, 200 if unloaded else 400)
+
     async def flush_cache(self, request: Request) -> Response:
         from starlette.responses import PlainTextResponse
 
@@ -290,16 +310,19 @@ def parse_generate(body: Any) -> tuple[bool, list[GenerateRequest], list[dict[st
     rids = _per_item(rid, n, "rid", None)
     adapters = _per_item(body.get("lora_path"), n, "lora_path", None)
     return_logprob = _per_item(body.get("return_logprob"), n, "return_logprob", False)
-    for start in _per_item(body.get("logprob_start_len"), n, "logprob_start_len", -1):
-        if start not in (None, -1):
-            raise BadRequest(f"logprob_start_len={start}: prompt logprobs are not supported (use -1)")
+    starts = _per_item(body.get("logprob_start_len"), n, "logprob_start_len", -1)
+    for start in starts:
+        if start not in (None, -1, 0):
+            raise BadRequest(f"logprob_start_len={start}: prompt logprobs are from the first token only (0), or "
+                             "none (-1)")
     reqs, options = [], []
     for k in range(n):
         rid = rids[k] if rids[k] is not None else f"{time.monotonic_ns():x}-{k}"
         params, no_stop_trim = sampling_params(sampling[k] or {})
         reqs.append(GenerateRequest(prompts[k], params, rid=rid, adapter=adapters[k]))
         options.append({"no_stop_trim": no_stop_trim, "return_logprob": bool(return_logprob[k]),
-                        "text_in_logprobs": bool(body.get("return_text_in_logprobs"))})
+                        "text_in_logprobs": bool(body.get("return_text_in_logprobs")),
+                        "prompt_logprobs": bool(return_logprob[k]) and starts[k] == 0})
     return batch, reqs, options
 
 

@@ -170,6 +170,34 @@ class SGLangEngine(HTTPEngine):
             raise EngineHTTPError(f"{self.url}/load_lora_adapter", 200, str(reply.get("error_message")))
         self._adapter_versions[name] = version
 
+    async def unload_adapter(self, name: str) -> bool:
+        """``/unload_lora_adapter``: adapter ``name`` leaves the server (the caller makes sure no
+        request still asks for it). False when this client never loaded it."""
+        if name not in self._adapter_versions:
+            return False
+        reply = await self._post("/unload_lora_adapter", {"lora_name": name})
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineHTTPError(f"{self.url}/unload_lora_adapter", 200, str(reply.get("error_message")))
+        self._adapter_versions.pop(name)
+        return True
+
+    async def prompt_logprobs(self, prompt_ids: list[int], adapter: str | None = None) -> list[float]:
+        """log p(token t | tokens before it) for each prompt token, NaN for the first, under the
+        base or the loaded adapter ``adapter``: ``/generate`` of one token with ``logprob_start_len`` 0."""
+        body: dict[str, Any] = {"input_ids": list(prompt_ids), "return_logprob": True, "logprob_start_len": 0,
+                                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}, "stream": False}
+        if adapter is not None:
+            body["lora_path"] = adapter
+        item = await self._post("/generate", body, timeout=self.generate_timeout_s(1))
+        try:
+            triples = item["meta_info"]["input_token_logprobs"]
+            if len(triples) != len(prompt_ids):
+                raise ValueError(f"{len(triples)} prompt logprobs for {len(prompt_ids)} prompt tokens")
+            return [float("nan")] + [float(t[0]) for t in triples[1:]]
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise EngineHTTPError(f"{self.url}/generate", 200, f"unexpected prompt logprobs: {e!r} in "
+                                  f"{str(item)[:300]}") from e
+
     async def pause(self) -> None:
         await self._post("/pause_generation", {"mode": PAUSE_MODE})
 

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 SERVED_NAME = "policy"
 """The name a launched server serves the run's model under (requests without an adapter use it)."""
 DEFAULT_PYTHON = ".cache/vllm-env/bin/python"
-CONTROL_PATHS = ("/pause", "/collective_rpc", "/reset_prefix_cache", "/v1/load_lora_adapter", "/resume")
+CONTROL_PATHS = ("/pause", "/collective_rpc", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                 "/resume")
 
 
 class VLLMEngine(HTTPEngine):
@@ -219,6 +220,25 @@ class VLLMEngine(HTTPEngine):
         _remove(self._adapter_copies.pop(name, []))
         self._adapter_copies[name] = mine
 
+    async def unload_adapter(self, name: str) -> bool:
+        """``/v1/unload_lora_adapter``: adapter ``name`` leaves the server (the caller makes sure no
+        request still asks for it). False when this client never loaded it."""
+        if name not in self._adapter_versions:
+            return False
+        await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        self._adapter_versions.pop(name)
+        _remove(self._adapter_copies.pop(name, []))
+        return True
+
+    async def prompt_logprobs(self, prompt_ids: list[int], adapter: str | None = None) -> list[float]:
+        """log p(token t | tokens before it) for each prompt token, NaN for the first, under the
+        base or the loaded adapter ``adapter``: a one-token completion with ``prompt_logprobs=0``
+        (at temperature 1, so processed logprobs are the model's own)."""
+        body = {"model": adapter or await self._base_model(), "prompt": list(prompt_ids), "max_tokens": 1,
+                "temperature": 1.0, "seed": 0, "prompt_logprobs": 0, "stream": False}
+        reply = await self._post("/v1/completions", body, timeout=self.generate_timeout_s(1))
+        return parse_prompt_logprobs(reply, list(prompt_ids), f"{self.url}/v1/completions")
+
     async def close(self) -> None:
         """Close the client (and stop a launched server). Copies of weights are removed; copies of
         adapters too when this engine launched the server (a server of your own may still serve
@@ -298,6 +318,21 @@ def parse_completion(reply: Any, rid: str | None, version: int, where: str) -> G
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise EngineHTTPError(where, 200, f"unexpected reply for request {rid!r}: {e!r} in {str(reply)[:300]}") from e
     return GenerateResult(output_ids, text, logprobs, finish, version, rid)
+
+
+def parse_prompt_logprobs(reply: Any, prompt_ids: list[int], where: str) -> list[float]:
+    """``choices[0].prompt_logprobs`` of a ``/v1/completions`` reply (None, then one dict per prompt
+    token: its id, as a string, -> ``{"logprob", ...}``) as floats, NaN for the first token."""
+    try:
+        entries = reply["choices"][0]["prompt_logprobs"]
+        if len(entries) != len(prompt_ids):
+            raise ValueError(f"{len(entries)} prompt logprobs for {len(prompt_ids)} prompt tokens")
+        out = [float("nan")]
+        for token, entry in zip(prompt_ids[1:], entries[1:]):
+            out.append(float(entry[str(token)]["logprob"]))
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise EngineHTTPError(where, 200, f"unexpected prompt logprobs: {e!r} in {str(reply)[:300]}") from e
+    return out
 
 
 def finish_reason(reason: Any) -> FinishReason:

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-    from miles_core.config import ModelConfig, TinyModelRecipe
+    from miles_core.config import TinyModelRecipe
 
 PAD, EOS = "<pad>", "<eos>"
 BUILTIN_TINY = "builtin:tiny-addition"

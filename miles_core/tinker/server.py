@@ -216,7 +216,8 @@ class _Handlers:
 
         return _json({"fused_sizes": self.s.fused_sizes, "training_clients": len(self.s.clients),
                       "pending": self.s.futures.pending(),
-                      "engines": {base: dataclasses.asdict(e.stats) for base, e in self.s.engines.items()}})
+                      "engines": {base: dataclasses.asdict(e.stats) for base, e in self.s.engines.items()
+                                  if dataclasses.is_dataclass(getattr(e, "stats", None))}})
 
     async def training_run(self, request: Request) -> Response:
         return _json({"error": "training runs are not listed by this service"}, 404)
@@ -239,6 +240,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", help="a file holding the API key (it must start with 'tml-'); default: "
                    f"${API_KEY_ENV}, or a new key written to <storage>/tinker/api_key")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter (default 32)")
+    p.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf",
+                   help="what samples: hf (transformers in this process, sharing the trainer's base weights; "
+                        "default), vllm (a vLLM server launched over the base model from vLLM's environment, "
+                        "scripts/setup-vllm.sh, or one at url=...), sglang (an SGLang server at url=..., or the "
+                        "transformers stand-in launched beside this process)")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a field of the engine's config (docs/config.md: [engine]), e.g. url=http://host:8000, "
+                        "cpu_affinity=[1], python=/path/to/vllm-env/bin/python; repeat for several")
     p.add_argument("--prefect", action=argparse.BooleanOptionalAction, default=None,
                    help="show each training client as a Prefect flow run (default: on when a Prefect API is set, "
                         "PREFECT_API_URL or `miles server start`)")
@@ -270,6 +279,30 @@ def resolve_api_key(args: argparse.Namespace) -> tuple[str, str]:
     return key, source
 
 
+def engine_config(kind: str, options: list[str]) -> Any:
+    """The ``EngineConfig`` of ``--engine kind`` and its ``--engine-option KEY=VALUE`` fields (a
+    VALUE is read as JSON when it is JSON, else as a string)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from miles_core.config import EngineConfig
+
+    fields: dict[str, Any] = {"type": kind}
+    if kind == "vllm":  # the SDK's default rank is 32; vLLM's server takes up to its --max-lora-rank
+        fields["max_lora_rank"] = 64
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-option {option!r}: give KEY=VALUE, e.g. url=http://127.0.0.1:8000")
+        try:
+            fields[key] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key] = value
+    try:
+        return TypeAdapter(EngineConfig).validate_python(fields)
+    except ValidationError as e:
+        raise SystemExit(f"--engine {kind} with {options}: {e}") from None
+
+
 def prefect_api_set() -> bool:
     from prefect.settings import PREFECT_API_URL
 
@@ -285,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key, source = resolve_api_key(args)
+    engine = engine_config(getattr(args, "engine", "hf"), getattr(args, "engine_option", []))
     bases = {name: str(ensure_model(ModelConfig(path=name), log=lambda m: print(m, file=sys.stderr)))
              for name in args.base_model}
     runs = None
@@ -293,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
 
         runs = ClientRuns()
     service = TinkerService(args.storage, bases, storage_options=args.storage_options, lora_alpha=args.lora_alpha,
-                            runs=runs)
+                            runs=runs, engine=engine)
     app = build_app(service, key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
@@ -307,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
         shown = "each training client is a Prefect flow run" if runs else "not shown in Prefect (no API set)"
-        print(f"{READY_PREFIX}http://{args.host}:{port} (base models: {', '.join(bases)}; API key from {source}; "
+        print(f"{READY_PREFIX}http://{args.host}:{port} (base models: {', '.join(bases)}; sampling on "
+              f"{engine.type}; API key from {source}; "
               f"{shown}; TINKER_BASE_URL=http://{args.host}:{port})", flush=True)
         await task
 

@@ -8,7 +8,9 @@
   ready; their ``forward_backward`` calls run together (one forward pass, one backward pass:
   ``TinkerTrainer``).
 - Sampling runs on the server's event loop (``Samplers``: one engine per base model, snapshots as
-  named adapters).
+  named adapters). The engine is the in-process transformers one by default, sharing the trainer's
+  base weights; or a vLLM server (launched over the base model's folder, or one at a URL) or an
+  SGLang server (``engine``: an ``EngineConfig``), which loads the snapshots by name.
 - Results are futures (``Futures``); failures are answered as the SDK's ``RequestFailedError``
   (category ``user`` for bad input, ``server`` otherwise), with a message naming what failed.
 - After a restart (kill -9 included) the store still holds every session, training client and
@@ -60,7 +62,11 @@ class TinkerService:
 
     def __init__(self, root: str, bases: dict[str, str], storage_options: dict[str, Any] | None = None,
                  lora_alpha: float = 32.0, seq_wait_s: float = 120.0, gather_s: float = 0.02,
-                 runs: ClientRuns | None = None) -> None:
+                 runs: ClientRuns | None = None, engine: Any = None) -> None:
+        self.engine_cfg = engine
+        """The sampling engines' ``EngineConfig`` (None: transformers in process)."""
+        if getattr(engine, "url", None) and len(bases) > 1:
+            raise ValueError(f"an engine at a URL ({engine.url}) serves one base model; {len(bases)} were given")
         self.store = TinkerStore(root, storage_options)
         self.storage_options = dict(storage_options or {})
         self.bases = {name: os.path.realpath(folder) for name, folder in bases.items()}
@@ -79,17 +85,13 @@ class TinkerService:
     # -- life
 
     async def start(self) -> None:
-        """Load the base models, restore what the store holds, start the training thread."""
-        from miles_core.config import HFEngineConfig
-        from miles_core.engines.hf import HFEngine
-
+        """Load the base models, start their engines, restore what the store holds, start the
+        training thread."""
         self.futures = Futures(asyncio.get_running_loop())
         self.sampling = Samplers(self.engines, self.futures)
         for base, folder in self.bases.items():
             bank = await asyncio.to_thread(self.trainer.bank, base)
-            engine = await asyncio.to_thread(HFEngine, folder, HFEngineConfig())
-            engine.share_weights(bank.model)
-            self.engines[base] = engine
+            self.engines[base] = await asyncio.to_thread(self._start_engine, folder, bank.model)
         for info in await asyncio.to_thread(self.store.models):
             client = self.clients[info["model_id"]] = Client(info, lost=self.store.restart_message(info["model_id"]))
             if self.runs is not None and info.get("flow_run_id") and not info.get("ended"):
@@ -97,6 +99,18 @@ class TinkerService:
         self._thread = threading.Thread(target=self._train_loop, name="tinker-train", daemon=True)
         self._thread.start()
         log.info("tinker service: bases %s, %d training clients in the store", sorted(self.bases), len(self.clients))
+
+    def _start_engine(self, folder: str, model: Any) -> Any:
+        """The sampling engine of a base model: in process over the trainer's base weights (``model``),
+        or a server that serves LoRA adapters (launched over ``folder``, or the config's URL)."""
+        from miles_core.config import HFEngineConfig
+        from miles_core.engines import setup_engine
+
+        cfg = self.engine_cfg or HFEngineConfig()
+        engine = setup_engine(cfg, folder, storage_options=self.storage_options, lora=True)
+        if isinstance(cfg, HFEngineConfig):
+            engine.share_weights(model)
+        return engine
 
     async def close(self) -> None:
         self.queue.close()
@@ -166,6 +180,10 @@ class TinkerService:
                     "train_attn": cfg.get("train_attn", True), "train_mlp": cfg.get("train_mlp", True),
                     "train_unembed": cfg.get("train_unembed", True)}
             source = None
+        most = getattr(self.engine_cfg, "max_lora_rank", None)
+        if most is not None and lora["rank"] > most:
+            raise UserError(f"LoRA rank {lora['rank']} is above the sampling engine's largest, {most}: start the "
+                            f"service with --engine-option max_lora_rank={lora['rank']}, or ask for a smaller rank")
         if model_id in self.clients:
             raise UserError(f"training client {model_id} exists already")
         info = {"model_id": model_id, "session_id": session_id, "base_model": base_model,

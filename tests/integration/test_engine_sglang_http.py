@@ -132,7 +132,7 @@ def test_stop_matches_and_sglang_trims_them_unless_asked_not_to(server, tok):
     ({"input_ids": [5], "stream": True}, "stream=True is not supported"),
     ({"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty=0.5 is not supported"),
     ({"input_ids": [5], "sampling_params": {"max_tokens": 5}}, "unsupported sampling params: max_tokens"),
-    ({"input_ids": [5], "return_logprob": True, "logprob_start_len": 0}, "prompt logprobs are not supported"),
+    ({"input_ids": [5], "return_logprob": True, "logprob_start_len": 2}, "prompt logprobs are from the first token only"),
     ({"input_ids": [5], "sampling_params": {"top_p": 0}}, "top_p=0.0 must be in"),  # the engine's own check
     ({"input_ids": [5], "lora_path": "math"}, "adapter 'math'"),
 ])
@@ -250,3 +250,39 @@ def test_adapters_load_and_serve_over_http(server, tok, tiny_model_dir, tmp_path
     base, adapted = asyncio.run(body())
     assert [r.logprobs for r in base] != [r.logprobs for r in adapted], "lora_path selects the adapter"
     assert {r.weight_version for r in adapted} == {5} and {r.weight_version for r in base} == {0}
+
+
+def test_prompt_logprobs_under_an_adapter_and_unloading_it(server, tok, tiny_model_dir, tmp_path):
+    """``prompt_logprobs`` (``logprob_start_len`` 0: the Tinker service's ``compute_logprobs``) is
+    PEFT's forward under the adapter; an unloaded adapter serves no more requests."""
+    import math
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(6)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    peft.save_pretrained(tmp_path / "u")
+    ids = tok.encode(PROMPTS[0])
+
+    async def body():
+        eng = client(server)
+        await eng.load_adapter("keep", str(tmp_path / "u"))  # PEFT keeps one adapter: "u" is not the last
+        await eng.load_adapter("u", str(tmp_path / "u"), version=2)
+        got, base = await eng.prompt_logprobs(ids, "u"), await eng.prompt_logprobs(ids)
+        assert await eng.unload_adapter("u") is True
+        with pytest.raises(EngineHTTPError, match="adapter 'u'"):
+            await eng.generate([GenerateRequest(ids, greedy_params(max_new_tokens=2), adapter="u")])
+        assert await eng.unload_adapter("u") is False
+        await eng.close()
+        return got, base
+
+    got, base = asyncio.run(body())
+    with torch.no_grad():
+        logits = peft.eval()(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    want = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert len(got) == len(ids) and math.isnan(got[0])
+    assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-5), (got, want.tolist())
+    assert not torch.allclose(torch.tensor(base[1:]), want, atol=1e-3)

@@ -19,6 +19,7 @@ from contract.engine_contract import PROMPTS, EngineContract, UnseenProgress, bu
 from waiting import wait_for
 
 from miles_core.config import VLLMEngineConfig
+from miles_core.engines.base import GenerateRequest, SamplingParams
 from miles_core.engines.vllm import DEFAULT_PYTHON, SERVED_NAME, LocalVLLMServer, VLLMEngine
 
 pytestmark = pytest.mark.integration
@@ -140,6 +141,35 @@ def test_adapters_serve_by_name_beside_the_base_model(server, tiny_model_dir, to
         expected = recompute_logprobs(adapters[name], [q.prompt_ids for q in mixed[:n]], [r.output_ids for r in chunk], 1.0)
         for r, exp in zip(chunk, expected):
             assert torch.allclose(torch.tensor(r.logprobs), exp, atol=2e-4), (name, r.logprobs, exp.tolist())
+    asyncio.run(eng.close())
+
+
+def test_prompt_logprobs_under_an_adapter_and_unloading_it(server, tiny_model_dir, tok, tmp_path):
+    """``prompt_logprobs`` (the Tinker service's ``compute_logprobs``) is PEFT's forward under the
+    adapter; an unloaded adapter serves no more requests, and unloading it again says so."""
+    import math
+
+    import torch
+
+    from miles_core.engines.http import EngineHTTPError
+
+    eng = client(server)
+    peft = _adapter(tiny_model_dir, tmp_path / "u", 5)
+    asyncio.run(eng.load_adapter("u", str(tmp_path / "u"), 1))
+    ids = tok.encode(PROMPTS[0])
+    got = asyncio.run(eng.prompt_logprobs(ids, "u"))
+    with torch.no_grad():
+        logits = peft(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    want = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert len(got) == len(ids) and math.isnan(got[0])
+    assert torch.allclose(torch.tensor(got[1:]), want, atol=2e-4), (got, want.tolist())
+    base = asyncio.run(eng.prompt_logprobs(ids))
+    assert not torch.allclose(torch.tensor(base[1:]), want, atol=1e-3)  # the adapter changed them
+
+    assert asyncio.run(eng.unload_adapter("u")) is True
+    with pytest.raises(EngineHTTPError, match="u"):
+        asyncio.run(eng.generate([GenerateRequest(ids, SamplingParams(max_new_tokens=2), adapter="u")]))
+    assert asyncio.run(eng.unload_adapter("u")) is False
     asyncio.run(eng.close())
 
 

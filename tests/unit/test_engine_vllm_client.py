@@ -305,3 +305,39 @@ def test_idle_connections_close_before_vllm_closes_them():
     text = envs[0].read_text()
     default = text.split('os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "', 1)[1].split('"', 1)[0]
     assert IDLE_CONNECTION_S < float(default) - 1, (IDLE_CONNECTION_S, default)
+
+
+def test_prompt_logprobs_and_unloading_an_adapter():
+    """``prompt_logprobs``: a one-token completion with ``prompt_logprobs=0`` under the adapter, read
+    as vLLM returns it (None, then the prompt token's id -> its logprob); ``unload_adapter``:
+    ``/v1/unload_lora_adapter``, once."""
+    def handler(method, path, body):
+        if path == "/v1/completions" and body.get("prompt_logprobs") == 0:
+            entries = [None] + [{str(t): {"logprob": -0.5 * t, "rank": 1, "decoded_token": "x"}} for t in body["prompt"][1:]]
+            return 200, {**completion([2], [-0.1]), "choices": [{**completion([2], [-0.1])["choices"][0],
+                                                                 "prompt_logprobs": entries}]}
+        return 200, {}
+
+    eng, seen = engine(handler, model="m")
+
+    async def body():
+        await eng.load_adapter("a", "/w/a", 1)
+        lp = await eng.prompt_logprobs([3, 4, 6], "a")
+        return lp, await eng.unload_adapter("a"), await eng.unload_adapter("a")
+
+    lp, first, again = run(eng, body())
+    assert lp[1:] == [-2.0, -3.0] and lp[0] != lp[0]  # NaN for the first token
+    (ask,) = [b for _, p, b in seen if p == "/v1/completions"]
+    assert (ask["model"], ask["prompt"], ask["max_tokens"], ask["temperature"]) == ("a", [3, 4, 6], 1, 1.0)
+    assert (first, again) == (True, False)
+    assert [b for _, p, b in seen if p == "/v1/unload_lora_adapter"] == [{"lora_name": "a"}]
+
+
+def test_prompt_logprobs_that_do_not_fit_the_prompt_name_the_url():
+    reply = {"choices": [{"prompt_logprobs": [None, {"9": {"logprob": -1.0}}]}]}
+    eng, _ = engine(lambda *a: (200, reply), model="m")
+    with pytest.raises(EngineHTTPError, match=r"/v1/completions answered HTTP 200: .*3 prompt tokens"):
+        run(eng, eng.prompt_logprobs([1, 2, 3]))
+    eng, _ = engine(lambda *a: (200, reply), model="m")
+    with pytest.raises(EngineHTTPError, match=r"unexpected prompt logprobs: KeyError\('2'\)"):
+        run(eng, eng.prompt_logprobs([1, 2]))

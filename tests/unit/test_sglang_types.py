@@ -63,6 +63,11 @@ class Recorder:
         path = url.split(":30000", 1)[1]
         if body is not None:
             self.sent.append((path, body))
+        if path == "/generate" and body.get("logprob_start_len") == 0:  # one prompt's logprobs
+            triples = [[None if k == 0 else -0.25, t, None] for k, t in enumerate(body["input_ids"])]
+            return 200, json.dumps({"text": "x", "meta_info": {"input_token_logprobs": triples,
+                                    "output_token_logprobs": [[-0.5, 7, None]],
+                                    "finish_reason": {"type": "length", "length": 1}, "weight_version": "0"}}).encode()
         if path == "/generate":
             n = len(body["input_ids"])
             return 200, json.dumps([{"text": "x", "meta_info": {"output_token_logprobs": [[-0.5, 7, None]],
@@ -86,6 +91,8 @@ def sent() -> list[tuple[str, dict]]:
         await eng.generate([GenerateRequest([1, 2], full, rid="a", adapter="math"), GenerateRequest([3], rid="b")])
         await eng.update_weights("/w/v1", 1)
         await eng.load_adapter("math", "/w/math-v1", 1)
+        assert await eng.prompt_logprobs([1, 2, 3], "math") == pytest.approx([float("nan"), -0.25, -0.25], nan_ok=True)
+        assert await eng.unload_adapter("math") is True
         await eng.pause()
         await eng.resume()
         await eng.abort()
@@ -105,6 +112,7 @@ ROUTES = {
     "/generate": "GenerateReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
     "/abort_request": "AbortReq",
@@ -117,7 +125,8 @@ def test_every_body_we_send_has_only_fields_of_sglangs_request_type(sent):
         known = fields(ROUTES[path])
         unknown = sorted(set(body) - set(known))
         assert not unknown, f"{path}: SGLang {SGLANG_VERSION}'s {ROUTES[path]} has no field {unknown}"
-    required = {"UpdateWeightFromDiskReqInput": {"model_path"}, "LoadLoRAAdapterReqInput": {"lora_name", "lora_path"}}
+    required = {"UpdateWeightFromDiskReqInput": {"model_path"}, "LoadLoRAAdapterReqInput": {"lora_name", "lora_path"},
+                "UnloadLoRAAdapterReqInput": {"lora_name"}}
     for path, body in sent:
         missing = {f for f in required.get(ROUTES[path], ()) if f not in body}
         assert not missing, f"{path}: we leave out {missing}, which SGLang requires"
@@ -125,7 +134,8 @@ def test_every_body_we_send_has_only_fields_of_sglangs_request_type(sent):
 
 def test_every_sampling_param_we_send_is_one_of_sglangs(sent):
     sampling = fields("SamplingParams", _classes(SRT / "sampling" / "sampling_params.py"))
-    (generate,) = [body for path, body in sent if path == "/generate"]
+    generate, prompt_logprobs = [body for path, body in sent if path == "/generate"]
+    assert generate["logprob_start_len"] == -1 and prompt_logprobs["logprob_start_len"] == 0
     sent_keys = {k for params in generate["sampling_params"] for k in params}
     assert {"sampling_seed", "no_stop_trim", "stop_token_ids", "max_new_tokens"} <= sent_keys
     assert not sent_keys - set(sampling), f"SGLang {SGLANG_VERSION}'s SamplingParams has no {sent_keys - set(sampling)}"
@@ -150,7 +160,7 @@ def test_our_parser_reads_the_response_shapes_sglang_builds():
     ``weight_version`` a string."""
     manager = (SRT / "managers" / "tokenizer_manager.py").read_text()
     assert "(logprob, token_id, None)" in manager and '"weight_version"' in manager
-    assert 'meta_info["output_token_logprobs"]' in manager
+    assert 'meta_info["output_token_logprobs"]' in manager and 'meta_info["input_token_logprobs"]' in manager
     batch = (SRT / "managers" / "schedule_batch.py").read_text()
     for kind in ("stop", "length", "abort"):
         assert f'"type": "{kind}"' in batch, kind
