@@ -11,6 +11,7 @@ or one forgotten, is answered with an error that says so.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import threading
@@ -48,6 +49,8 @@ class Futures:
         self.poll_s = poll_s
         self.keep_s = keep_s
         self._entries: dict[str, _Entry] = {}
+        self._done: collections.deque[tuple[float, str]] = collections.deque()
+        """(when, request id) of each result set, oldest first: forgetting looks at the old ones only."""
         self._lock = threading.Lock()
 
     def new(self, kind: str, model_id: str | None = None) -> str:
@@ -64,6 +67,7 @@ class Futures:
             if entry is None or entry.result is not None:
                 return
             entry.result, entry.done_at = result, time.monotonic()
+            self._done.append((entry.done_at, request_id))
         if _on_loop(self.loop):
             entry.event.set()
         else:
@@ -100,9 +104,8 @@ class Futures:
 
     def _forget_old(self) -> None:
         now = time.monotonic()
-        old = [k for k, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.keep_s]
-        for k in old:
-            del self._entries[k]
+        while self._done and now - self._done[0][0] > self.keep_s:
+            self._entries.pop(self._done.popleft()[1], None)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -351,3 +351,23 @@ def test_engine_options_make_the_engine_config_and_bad_ones_are_named() -> None:
         engine_config("vllm", ["max_lora_rnak=32"])
     with pytest.raises(SystemExit, match="must start with http"):
         engine_config("sglang", ["url=10.0.0.5:30000"])
+
+
+def test_results_are_forgotten_after_keep_s_and_pending_ones_never() -> None:
+    import asyncio
+
+    from miles_core.tinker.futures import Futures, Result
+
+    async def check(keep_s: float):
+        futures = Futures(asyncio.get_running_loop(), poll_s=0.0, keep_s=keep_s)
+        done, waiting = futures.new("sample"), futures.new("sample")
+        futures.resolve(done, Result(b"{}"))
+        futures.new("sample")  # forgetting happens as new requests come
+        try:
+            result = (await futures.wait(done)).body
+        except KeyError:
+            result = "forgotten"
+        return result, await futures.wait(waiting)  # still pending: None (try again), never forgotten
+
+    assert asyncio.run(check(3600.0)) == (b"{}", None)
+    assert asyncio.run(check(-1.0)) == ("forgotten", None)
