@@ -12,10 +12,10 @@ Run: ``.venv/bin/python bench/tinker.py [--parts parity,clients] [--model tiny|s
   one optimizer step a batch. Per step: mean training reward of each; the 10-step rolling means'
   mean absolute difference (goal, Miles' parity bar: <= 0.1); time per step, per
   ``forward_backward`` + ``optim_step`` (the cookbook's ``time/train_step``), samples/s.
-- ``parity`` (``--model smollm2-135m-instruct``): the cookbook's own arithmetic recipe
-  (``tinker_cookbook.recipes.math_rl.train env=arithmetic``) on SmolLM2 through the service: its
-  reward per step and timings (no ``miles train`` twin: that task's few-shot chat prompts are the
-  cookbook's own).
+- ``parity`` (``--model smollm2-135m-instruct``): the same, on SmolLM2-135M-Instruct and
+  ``configs/smollm2-arith.toml``'s task (``examples/tinker_toy_rl.py task=arith``: additions asked in
+  words, the chat template, the math reward): 8 prompts x 8 samples a step, up to 16 new tokens,
+  temperature 0.5, LoRA rank 8 (alpha 32, every linear layer and the LM head), micro-batches of 8.
 - ``clients``: 1, 4 and 16 LoRA training clients at once (rank 8, one thread each), each
   ``--client-steps`` of ``forward_backward`` (8 datums of a fixed batch, cross-entropy) +
   ``optim_step``; the wall time until all are done, as a ratio to one client's (goal: 16 clients
@@ -100,16 +100,11 @@ def read_jsonl(path: Path) -> list[dict]:
 def run_cookbook(args, url: str, folder: str, log_path: str) -> list[dict]:
     """The cookbook's RL loop through the service; its metrics.jsonl rows."""
     env = {**os.environ, "TINKER_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
-    if args.model == "tiny":
-        cmd = [cookbook_python(), str(ROOT / "examples" / "tinker_toy_rl.py"), f"base_url={url}",
-               f"model_name={folder}", f"log_path={log_path}", f"max_steps={args.steps}",
-               f"learning_rate={args.lr}", "lora_rank=8", f"seed={args.seed}"]
-    else:
-        cmd = [cookbook_python(), "-m", "tinker_cookbook.recipes.math_rl.train", f"base_url={url}",
-               f"model_name={folder}", "renderer_name=role_colon", "env=arithmetic", "loss_fn=importance_sampling",
-               "group_size=4", "groups_per_batch=8", "max_tokens=5", f"learning_rate={args.lr}", "lora_rank=8",
-               f"max_steps={args.steps}", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete",
-               f"log_path={log_path}", f"seed={args.seed}"]
+    cmd = [cookbook_python(), str(ROOT / "examples" / "tinker_toy_rl.py"), f"base_url={url}",
+           f"model_name={folder}", f"log_path={log_path}", f"max_steps={args.steps}",
+           f"learning_rate={args.lr}", "lora_rank=8", f"seed={args.seed}"]
+    if args.model != "tiny":
+        cmd += ["task=arith", "batch_size=8", "group_size=8", "max_tokens=16", "temperature=0.5"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the cookbook's loop failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -123,13 +118,17 @@ def run_ours(args, folder: str, root: str) -> list[dict]:
     from flows.train import train
     from miles_core.config import RunConfig
 
+    tiny = args.model == "tiny"
     raw = {
         "name": "bench-tinker-parity", "seed": args.seed, "mode": "sync",
-        "model": {"path": folder}, "data": {"type": "toy"},
-        "rollout": {"num_rollout": args.steps, "rollout_batch_size": 32, "n_samples_per_prompt": 8,
-                    "rollout_max_response_len": 6, "rollout_temperature": 1.0, "reward": "toy"},
-        "train": {"lr": args.lr, "adam_beta1": 0.9, "adam_beta2": 0.95, "clip_grad": 0.0, "micro_batch_size": 64,
-                  "loss": {"type": "grpo", "advantage_std_normalize": False}},
+        "model": {"path": folder},
+        "data": {"type": "toy"} if tiny else {"type": "file", "path": str(ROOT / "datasets" / "arith" / "train.jsonl"),
+                                               "apply_chat_template": True},
+        "rollout": {"num_rollout": args.steps, "rollout_batch_size": 32 if tiny else 8, "n_samples_per_prompt": 8,
+                    "rollout_max_response_len": 6 if tiny else 16, "rollout_temperature": 1.0 if tiny else 0.5,
+                    "reward": "toy" if tiny else "math"},
+        "train": {"lr": args.lr, "adam_beta1": 0.9, "adam_beta2": 0.95, "clip_grad": 0.0,
+                  "micro_batch_size": 64 if tiny else 8, "loss": {"type": "grpo", "advantage_std_normalize": False}},
         "lora": {"rank": 8, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                             "up_proj", "down_proj", "lm_head"]},
         "engine": {"type": "hf", "num_threads": 1},
@@ -157,10 +156,6 @@ def parity(args, root: str) -> str:
              f"{statistics.median(r['time/train_step'] for r in cook):.2f} s, sampling "
              f"{statistics.median(r['time/sampling'] for r in cook):.2f} s "
              f"(medians); samples/s {statistics.median(_samples(r) / r['time/sampling'] for r in cook):.0f}.", ""]
-    if args.model != "tiny":
-        lines += ["| step | cookbook reward |", "|---:|---:|"]
-        lines += [f"| {i + 1} | {x:.3f} |" for i, x in enumerate(c_reward)]
-        return "\n".join(lines)
     ours = run_ours(args, folder, root)
     o_reward = [r["reward_mean"] for r in ours]
     n = min(len(c_reward), len(o_reward))
@@ -241,7 +236,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--client-steps", type=int, default=5)
     args = p.parse_args()
-    args.steps = args.steps or (40 if args.model == "tiny" else 10)
+    args.steps = args.steps or (40 if args.model == "tiny" else 20)
     args.lr = args.lr or (1e-3 if args.model == "tiny" else 4e-4)
     load_before = os.getloadavg()[0]
     sections = []
