@@ -102,12 +102,12 @@ class LiveReport:
         if not final and now - self.published_at >= self.every_s:
             self.publish()
 
-    def finish(self, note: str = "") -> bytes:
-        """After the last step and its evaluations: the final progress line and artifacts; returns the
-        curves as PNG bytes."""
+    def finish(self, note: str = "", png: bytes | None = None) -> bytes:
+        """After the last step and its evaluations: the final progress line and artifacts (the curves
+        ``png`` when the caller drew them already); returns the curves as PNG bytes."""
         rows = self.history.metrics_rows
         self._progress(rows[-1]["step"] if rows else self.start, None)
-        return self.publish(note)
+        return self.publish(note, png)
 
     def _progress(self, step: int, eta_s: float | None, row: dict[str, Any] | None = None) -> None:
         if row is None:  # the history's files are read whole: only when the caller has no row
@@ -117,12 +117,13 @@ class LiveReport:
         line = progress_line(self.title, step, self.total, row, evals[-1] if evals else None, eta_s)
         update_progress_artifact(self.progress, 100.0 * step / self.total, description=line)
 
-    def publish(self, note: str = "") -> bytes:
-        """Publish the metrics table and the curves now (a new version of each key); returns the curves
-        as PNG bytes."""
+    def publish(self, note: str = "", png: bytes | None = None) -> bytes:
+        """Publish the metrics table and the curves (``png``, or drawn now) as a new version of each
+        key; returns the curves as PNG bytes."""
         rows, evals = self.history.metrics_rows, self.history.eval_rows
         done = rows[-1]["step"] if rows else 0
-        png = run_curves(rows, evals, f"{self.title}: step {done}/{self.total}")
+        if png is None:
+            png = run_curves(rows, evals, f"{self.title}: step {done}/{self.total}")
         create_image_artifact(data_url(png), key=artifact_key(self.key, "curves"),
                               description=f"{self.title}: reward and held-out accuracy per step{note}")
         create_table_artifact(metrics_table(rows), key=artifact_key(self.key, "metrics"),

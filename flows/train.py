@@ -147,8 +147,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 check_lease(refs)  # another trainer took this run over (after this one stalled): stop
                 if stop_requested():  # Ctrl-C or SIGTERM of `miles train`: stop here, resumable when it can be
                     raise _stopped(cfg, refs, step + 1, r)
-        summary, curves = finish_run(quote(cfg), quote(refs), quote(start), quote(time.perf_counter() - t_start))
-        live.finish(note=f" (also {curves})")
+        summary, curves, png = finish_run(quote(cfg), quote(refs), quote(start), quote(time.perf_counter() - t_start))
+        live.finish(note=f" (also {curves})", png=png)
         _publish_summary(cfg, summary, curves)
         raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary

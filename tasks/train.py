@@ -101,9 +101,10 @@ def stop_run(cfg: RunConfig, refs: RunRefs, done: int, rollout_ref: RolloutRef |
 
 
 @task(name="finish-run", cache_policy=NO_CACHE, task_run_name="finish-run")
-def finish_run(cfg: RunConfig, refs: RunRefs, start: int, seconds: float) -> tuple[dict, str]:
+def finish_run(cfg: RunConfig, refs: RunRefs, start: int, seconds: float) -> tuple[dict, str, bytes]:
     """End the run: its summary with the prompt ledger's audit (``summary.json``) and its reward and
-    held-out accuracy curves (``curves.png``); returns the summary and the curves' URL."""
+    held-out accuracy curves (``curves.png``); returns the summary, the curves' URL and the PNG (the
+    flow's final curves artifact, so they are drawn once)."""
     from miles_core.report import run_curves
 
     session = get_session(cfg, refs)
@@ -112,4 +113,4 @@ def finish_run(cfg: RunConfig, refs: RunRefs, start: int, seconds: float) -> tup
     session.finish(summary)
     rows, evals = session.history.metrics_rows, session.history.eval_rows
     png = run_curves(rows, evals, f"{cfg.name}: step {rows[-1]['step'] if rows else 0}/{cfg.rollout.num_rollout}")
-    return summary, session.layout.write_bytes("curves.png", png)
+    return summary, session.layout.write_bytes("curves.png", png), png
