@@ -144,7 +144,9 @@ def test_a_fully_async_producer_whose_engine_froze_for_good_is_replaced(prefect_
     (with an engine of its own) that carries the run to its end, losing no prompt."""
     from flows.train import train
 
-    cfg = _cfg(tmp_path, tiny_model_dir, "fully_async", health_timeout_s=3.0)
+    # a weight push to the frozen server waits out its own deadline (the server counts as alive while
+    # it may be loading): request_timeout_s bounds it at 20 s instead of ~190 s
+    cfg = _cfg(tmp_path, tiny_model_dir, "fully_async", health_timeout_s=3.0, request_timeout_s=20.0)
     witness: dict = {}
     freezer = _freeze(tmp_path, 2, None, witness)
     state = train(cfg, return_state=True)
