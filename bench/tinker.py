@@ -134,7 +134,9 @@ def run_ours(args, folder: str, root: str) -> list[dict]:
         "lora": {"rank": 8, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                             "up_proj", "down_proj", "lm_head"]},
         "engine": {"type": "hf", "num_threads": 1},
-        "eval": {"eval_interval": None, "skip_eval_before_train": True},
+        "eval": {"eval_interval": None, "skip_eval_before_train": True,
+                 **({} if tiny else {"data": {"type": "file", "path": str(ROOT / "datasets" / "arith" / "test.jsonl"),
+                                              "apply_chat_template": True}})},
         "storage": {"root": root},
     }
     with prefect_test_harness(server_startup_timeout=120):

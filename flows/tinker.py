@@ -19,7 +19,7 @@ from prefect import flow
 def tinker_service(base_models: Optional[list[str]] = None, storage: str = "runs", host: str = "127.0.0.1",
                    port: int = 8765, api_key_file: Optional[str] = None, lora_alpha: float = 32.0,
                    storage_options: Optional[dict] = None, engine: str = "hf",
-                   engine_options: Optional[dict] = None) -> None:
+                   engine_options: Optional[dict] = None, tokens_per_pass: int = 512) -> None:
     """Serve the Tinker API over ``base_models`` (built-in names or model folders; default: the tiny
     model) with sessions and checkpoints under ``storage``, until the flow run is cancelled. ``engine``
     samples (hf, vllm or sglang; ``engine_options``: fields of its config, as ``miles tinker-serve
@@ -28,6 +28,6 @@ def tinker_service(base_models: Optional[list[str]] = None, storage: str = "runs
 
     args = argparse.Namespace(base_model=base_models or ["tiny-addition"], storage=storage, host=host, port=port,
                               api_key_file=api_key_file, lora_alpha=lora_alpha, storage_options=storage_options,
-                              prefect=True, engine=engine,
+                              prefect=True, engine=engine, tokens_per_pass=tokens_per_pass,
                               engine_option=[f"{k}={json.dumps(v)}" for k, v in (engine_options or {}).items()])
     server.run(args)

@@ -240,6 +240,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", help="a file holding the API key (it must start with 'tml-'); default: "
                    f"${API_KEY_ENV}, or a new key written to <storage>/tinker/api_key")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter (default 32)")
+    p.add_argument("--tokens-per-pass", type=int, default=512,
+                   help="padded tokens in one forward pass of forward_backward (default 512: on a CPU, larger "
+                        "passes take more memory and no less time; raise it on a GPU)")
     p.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf",
                    help="what samples: hf (transformers in this process, sharing the trainer's base weights; "
                         "default), vllm (a vLLM server launched over the base model from vLLM's environment, "
@@ -327,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
         runs = ClientRuns()
     service = TinkerService(args.storage, bases, storage_options=args.storage_options, lora_alpha=args.lora_alpha,
-                            runs=runs, engine=engine)
+                            runs=runs, engine=engine, tokens_per_pass=args.tokens_per_pass)
     app = build_app(service, key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)

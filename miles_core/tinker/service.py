@@ -62,7 +62,7 @@ class TinkerService:
 
     def __init__(self, root: str, bases: dict[str, str], storage_options: dict[str, Any] | None = None,
                  lora_alpha: float = 32.0, seq_wait_s: float = 120.0, gather_s: float = 0.02,
-                 runs: ClientRuns | None = None, engine: Any = None) -> None:
+                 runs: ClientRuns | None = None, engine: Any = None, tokens_per_pass: int = 512) -> None:
         self.engine_cfg = engine
         """The sampling engines' ``EngineConfig`` (None: transformers in process)."""
         if getattr(engine, "url", None) and len(bases) > 1:
@@ -70,7 +70,7 @@ class TinkerService:
         self.store = TinkerStore(root, storage_options)
         self.storage_options = dict(storage_options or {})
         self.bases = {name: os.path.realpath(folder) for name, folder in bases.items()}
-        self.trainer = TinkerTrainer(self.bases, lora_alpha=lora_alpha)
+        self.trainer = TinkerTrainer(self.bases, lora_alpha=lora_alpha, tokens_per_pass=tokens_per_pass)
         self.runs = runs
         """Each training client's Prefect flow run (None: not shown in Prefect)."""
         self.queue = CallQueue(self._fail, seq_wait_s, gather_s)

@@ -5,7 +5,9 @@ is an adapter attached to it (``attach``), with its own AdamW. Calls:
 
 - ``forward_backward(calls)``: any number of calls, of any clients and bases, run together: per
   base, the datums of every call go through the same forward passes (each client's rows routed to
-  its adapter, micro-batches of at most ``tokens_per_pass`` tokens), each datum's loss is its
+  its adapter, micro-batches of at most ``tokens_per_pass`` padded tokens: on SmolLM2 with 64
+  datums of ~60 tokens, 512 took 56 s and 3.4 GB at its peak, 8,192 (one pass) 78 s and 13.9 GB, on
+  one CPU thread), each datum's loss is its
   Tinker loss (``miles_core.tinker.losses``), and one backward pass of the sum gives each adapter
   exactly its own gradient (adapters share no parameter). Gradients add up across calls until
   ``optim_step``, as the SDK expects. Forward-only calls run without gradients.
@@ -60,7 +62,7 @@ class Adapter:
 class TinkerTrainer:
     """Base models (name -> local folder) and the adapters of training clients on them (module docstring)."""
 
-    def __init__(self, bases: dict[str, str], lora_alpha: float = 32.0, tokens_per_pass: int = 8192) -> None:
+    def __init__(self, bases: dict[str, str], lora_alpha: float = 32.0, tokens_per_pass: int = 512) -> None:
         self.folders = dict(bases)
         self.lora_alpha = lora_alpha
         self.tokens_per_pass = tokens_per_pass
