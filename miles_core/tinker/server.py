@@ -241,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"${API_KEY_ENV}, or a new key written to <storage>/tinker/api_key")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter (default 32)")
     p.add_argument("--tokens-per-pass", type=int, default=512,
-                   help="padded tokens in one forward pass of forward_backward (default 512: on a CPU, larger "
+                   help="tokens computed in one forward pass of forward_backward (default 512: on a CPU, larger "
                         "passes take more memory and no less time; raise it on a GPU)")
     p.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf",
                    help="what samples: hf (transformers in this process, sharing the trainer's base weights; "

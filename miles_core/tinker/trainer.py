@@ -5,9 +5,10 @@ is an adapter attached to it (``attach``), with its own AdamW. Calls:
 
 - ``forward_backward(calls)``: any number of calls, of any clients and bases, run together: per
   base, the datums of every call go through the same forward passes (each client's rows routed to
-  its adapter, micro-batches of at most ``tokens_per_pass`` padded tokens: on SmolLM2 with 64
+  its adapter, micro-batches of at most ``tokens_per_pass`` tokens computed: on SmolLM2 with 64
   datums of ~60 tokens, 512 took 56 s and 3.4 GB at its peak, 8,192 (one pass) 78 s and 13.9 GB, on
-  one CPU thread), each datum's loss is its
+  one CPU thread; rows of one client side by side that begin alike, as an RL group's samples of
+  one prompt do, run that prefix once: ``shared_prefixes``), each datum's loss is its
   Tinker loss (``miles_core.tinker.losses``), and one backward pass of the sum gives each adapter
   exactly its own gradient (adapters share no parameter). Gradients add up across calls until
   ``optim_step``, as the SDK expects. Forward-only calls run without gradients.
@@ -34,6 +35,11 @@ from miles_core.tinker.losses import check_inputs, datum_loss
 from miles_core.tinker.wire import ForwardBackward
 from miles_core.train.adapter_bank import AdapterBank
 from miles_core.train.losses import token_logprobs
+from miles_core.train.shared_prompt import Rows, forward_logits
+
+MIN_SHARED_PREFIX = 8
+"""Rows side by side (of one client) whose tokens begin alike for at least this many tokens run that
+prefix once (``shared_prefixes``)."""
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +155,20 @@ class TinkerTrainer:
                 for k, call in enumerate(calls)]
 
     def _passes(self, calls: list[ForwardBackward], rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """Rows cut into passes of at most ``tokens_per_pass`` (padded) tokens, in order, so each
-        client's rows stay side by side."""
+        """Rows cut into passes of at most ``tokens_per_pass`` computed tokens (a prefix that rows
+        of the pass share counts once), in order, so each client's rows stay side by side."""
+        tokens = [calls[k].data[j].tokens for k, j in rows]
+        prefix, run = shared_prefixes(tokens, [calls[k].model_id for k, _ in rows])
         passes: list[list[tuple[int, int]]] = [[]]
-        width = 0
-        for row in rows:
-            n = len(calls[row[0]].data[row[1]].tokens)
-            if passes[-1] and max(width, n) * (len(passes[-1]) + 1) > self.tokens_per_pass:
+        cost, runs = 0, set()
+        for r, row in enumerate(rows):
+            n = len(tokens[r]) - (int(prefix[r]) if int(run[r]) in runs else 0)
+            if passes[-1] and cost + n > self.tokens_per_pass:
                 passes.append([])
-                width = 0
+                cost, runs, n = 0, set(), len(tokens[r])
             passes[-1].append(row)
-            width = max(width, n)
+            cost += n
+            runs.add(int(run[r]))
         return [p for p in passes if p]
 
     def _pass(self, bank: AdapterBank, calls: list[ForwardBackward], part: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -175,13 +184,21 @@ class TinkerTrainer:
             ids[r, :n] = torch.as_tensor(d.tokens)
             targets[r, :n] = torch.as_tensor(d.inputs["target_tokens"].astype(np.int64))
             mask[r, :n] = 1
-        routes, start = [], 0
-        for r in range(1, len(part) + 1):
-            if r == len(part) or part[r][0] != part[start][0]:
-                routes.append((self.adapters[calls[part[start][0]].model_id].key, start, r))
-                start = r
-        with bank.route(routes):
-            logits = bank.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        keys = [self.adapters[calls[k].model_id].key for k, _ in part]
+
+        def route(pass_rows: torch.Tensor):  # each pass's rows are in client order: one range per client
+            ranges: list[list] = []
+            for r, row in enumerate(pass_rows.tolist()):
+                if ranges and ranges[-1][0] == keys[row]:
+                    ranges[-1][2] = r + 1
+                else:
+                    ranges.append([keys[row], r, r + 1])
+            return bank.route([tuple(x) for x in ranges])
+
+        lengths = torch.as_tensor([len(d.tokens) for d in datums])
+        prompt_lens, prompt_index = shared_prefixes([d.tokens for d in datums], keys)
+        rows = Rows(ids, mask, torch.arange(width).expand(len(datums), width), lengths, prompt_lens, prompt_index)
+        logits = forward_logits(bank.model, rows, share=True, route=route, prompt_columns=True)
         lp = token_logprobs(logits, targets)
         return [lp[r, : len(d.tokens)] for r, d in enumerate(datums)]
 
@@ -249,3 +266,27 @@ class TinkerTrainer:
         """The adapter in PEFT's folder format in ``folder`` (a local directory)."""
         adapter = self.get(model_id)
         self.banks[adapter.base].save_peft(adapter.key, adapter.lora, folder)
+
+
+
+def shared_prefixes(tokens: list[np.ndarray], owners: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that share a prefix: runs of consecutive rows of one owner whose tokens begin alike for
+    at least ``MIN_SHARED_PREFIX`` tokens (an RL group's samples of one prompt; a chat template's
+    system prompt). Per row, the length of its run's common prefix (at most its length - 1) and its
+    run's index: the forward pass computes each run's prefix once (``train.shared_prompt``)."""
+    runs: list[tuple[int, int, int]] = []  # (first row, end row, common prefix length)
+    for r, row in enumerate(tokens):
+        if runs and owners[r] == owners[runs[-1][0]]:
+            first, _, common = runs[-1]
+            n = min(common, len(row) - 1)
+            same = np.flatnonzero(tokens[first][:n] != row[:n])
+            n = int(same[0]) if len(same) else n
+            if n >= MIN_SHARED_PREFIX:
+                runs[-1] = (first, r + 1, n)
+                continue
+        runs.append((r, r + 1, len(row) - 1))
+    lens = torch.empty(len(tokens), dtype=torch.long)
+    index = torch.empty(len(tokens), dtype=torch.long)
+    for k, (first, end, common) in enumerate(runs):
+        lens[first:end], index[first:end] = max(common, 1), k
+    return lens, index

@@ -49,11 +49,14 @@ class Rows(NamedTuple):
     prompt_index: Tensor
 
 
-def forward_logits(model: nn.Module, rows: Rows, share: bool, route: Route | None = None) -> Tensor:
+def forward_logits(model: nn.Module, rows: Rows, share: bool, route: Route | None = None,
+                   prompt_columns: bool = False) -> Tensor:
     """Raw logits [B, W, V] of ``rows`` in the plain layout: the shared-prompt pass when ``share``
-    and some prompt occurs twice, else one plain pass of every row (under ``route(all rows)``)."""
+    and some prompt occurs twice, else one plain pass of every row (under ``route(all rows)``).
+    ``prompt_columns``: every prompt column's logits, not only the last one's."""
     if share and worth_sharing(rows.prompt_index):
-        return shared_prompt_logits(model, rows.input_ids, rows.lengths, rows.prompt_lens, rows.prompt_index, route)
+        return shared_prompt_logits(model, rows.input_ids, rows.lengths, rows.prompt_lens, rows.prompt_index, route,
+                                    prompt_columns)
     with (route or _no_route)(torch.arange(rows.input_ids.shape[0], device=rows.input_ids.device)):
         return model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
                      use_cache=False).logits
@@ -70,10 +73,11 @@ def worth_sharing(prompt_index: Tensor | None) -> bool:
 
 
 def shared_prompt_logits(model: nn.Module, input_ids: Tensor, lengths: Tensor, prompt_lens: Tensor,
-                         prompt_index: Tensor, route: Route | None = None) -> Tensor:
+                         prompt_index: Tensor, route: Route | None = None, prompt_columns: bool = False) -> Tensor:
     """Logits [B, W, V] of right-padded rows ``input_ids`` [B, W] (``lengths`` real tokens, the
     first ``prompt_lens`` of them the prompt; rows with equal ``prompt_index`` have the same
-    prompt), in the plain pass's layout (module docstring)."""
+    prompt), in the plain pass's layout (module docstring); with ``prompt_columns``, every prompt
+    column holds its logits (as in the plain pass), not only the last."""
     from transformers import DynamicCache
 
     route = route or _no_route
@@ -88,6 +92,8 @@ def shared_prompt_logits(model: nn.Module, input_ids: Tensor, lengths: Tensor, p
     p_ids = input_ids[first, :p_width] * p_mask
     cache = DynamicCache()
     last = torch.unique(p_lens - 1)  # the prompt columns whose logits are used: each prompt's last one
+    if prompt_columns:
+        last = torch.arange(p_width, device=device)
     with route(first):
         p_logits = model(input_ids=p_ids, attention_mask=p_mask,
                          position_ids=torch.arange(p_width, device=device).expand(len(keys), p_width),
@@ -103,6 +109,11 @@ def shared_prompt_logits(model: nn.Module, input_ids: Tensor, lengths: Tensor, p
                          position_ids=r_cols, use_cache=False, **{cache_kwarg(model): cache}).logits
     out = r_logits.new_zeros(rows, width, r_logits.shape[-1])  # filled in place: one full-vocabulary tensor
     every = torch.arange(rows, device=device)
-    out.index_put_((every, prompt_lens - 1), p_logits[inverse, torch.searchsorted(last, prompt_lens - 1)])
+    if prompt_columns:
+        in_prompt = torch.arange(p_width, device=device) < prompt_lens[:, None]
+        p_rows, p_cols = every[:, None].expand(rows, p_width)[in_prompt], last.expand(rows, p_width)[in_prompt]
+        out.index_put_((p_rows, p_cols), p_logits[inverse[p_rows], p_cols])
+    else:
+        out.index_put_((every, prompt_lens - 1), p_logits[inverse, torch.searchsorted(last, prompt_lens - 1)])
     r_rows = every[:, None].expand(rows, r_width)[r_mask]
     return out.index_put_((r_rows, r_cols[r_mask]), r_logits[r_mask])

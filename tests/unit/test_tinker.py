@@ -175,6 +175,45 @@ def _same_but_float_noise(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * max(float(want.abs().max()), 1e-12))
 
 
+def _group_call(model_id: str, loss_fn: str, seed: int, prompt_len: int, n_samples: int) -> ForwardBackward:
+    """An RL group: ``n_samples`` datums of one prompt with responses of their own."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 90, prompt_len)
+    data = []
+    for _ in range(n_samples):
+        tokens = np.concatenate([prompt, rng.integers(0, 90, int(rng.integers(1, 6)))])
+        n = len(tokens) - 1
+        inputs = {"target_tokens": tokens[1:], "weights": rng.uniform(0, 1, n), "advantages": rng.normal(0, 1, n),
+                  "logprobs": rng.normal(-4, 0.3, n)}
+        data.append(Datum(tokens[:-1].astype(np.int64), inputs))
+    return ForwardBackward(model_id, 1, loss_fn, {}, False, data)
+
+
+def test_rows_sharing_a_prefix_run_it_once_and_train_as_the_plain_pass(tiny_folder: str, monkeypatch) -> None:
+    from miles_core.tinker import trainer as trainer_mod
+
+    calls = [_group_call("a:train:0", "importance_sampling", 1, 12, 4),
+             _group_call("b:train:0", "cross_entropy", 2, 9, 3)]
+    calls[1].data += _group_call("b:train:0", "cross_entropy", 3, 10, 2).data  # a second prompt of b's
+    lens, index = trainer_mod.shared_prefixes([d.tokens for c in calls for d in c.data], ["a"] * 4 + ["b"] * 5)
+    assert index.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2]
+    assert lens[:4].tolist() == [min(12, min(len(d.tokens) for d in calls[0].data) - 1)] * 4
+    clients = {"a:train:0": 4, "b:train:0": 2}
+    shared, plain = _trainer(tiny_folder, clients), _trainer(tiny_folder, clients)
+
+    got = shared.forward_backward(calls)
+    monkeypatch.setattr(trainer_mod, "MIN_SHARED_PREFIX", 10**6)  # no run shares: one plain pass
+    want = plain.forward_backward(calls)
+
+    for (outs_s, metrics_s), (outs_p, metrics_p) in zip(got, want, strict=True):
+        assert metrics_s["loss:sum"] == pytest.approx(metrics_p["loss:sum"], rel=1e-4)
+        for os_, op in zip(outs_s, outs_p, strict=True):  # prompt positions included
+            np.testing.assert_allclose(os_["logprobs"], op["logprobs"], rtol=1e-4, atol=1e-5)
+    for model_id in clients:
+        for k, p in shared.get(model_id).params.items():
+            _same_but_float_noise(p.grad, plain.get(model_id).params[k].grad)
+
+
 def test_gradients_add_up_across_calls_until_the_optimizer_step(tiny_folder: str) -> None:
     two, one = _trainer(tiny_folder, {"m": 4}), _trainer(tiny_folder, {"m": 4})
     first, second = _call("m", "cross_entropy", 1), _call("m", "cross_entropy", 2)
