@@ -5,10 +5,9 @@ is an adapter attached to it (``attach``), with its own AdamW. Calls:
 
 - ``forward_backward(calls)``: any number of calls, of any clients and bases, run together: per
   base, the datums of every call go through the same forward passes (each client's rows routed to
-  its adapter, micro-batches of at most ``tokens_per_pass`` tokens computed: on SmolLM2 with 64
-  datums of ~60 tokens, 512 took 56 s and 3.4 GB at its peak, 8,192 (one pass) 78 s and 13.9 GB, on
-  one CPU thread; rows of one client side by side that begin alike, as an RL group's samples of
-  one prompt do, run that prefix once: ``shared_prefixes``), each datum's loss is its
+  its adapter, micro-batches of at most ``tokens_per_pass`` tokens computed; rows of one client
+  side by side that begin alike, as an RL group's samples of one prompt do, run that prefix once:
+  ``shared_prefixes``; ``bench/tinker_passes.py`` measures both), each datum's loss is its
   Tinker loss (``miles_core.tinker.losses``), and one backward pass of the sum gives each adapter
   exactly its own gradient (adapters share no parameter). Gradients add up across calls until
   ``optim_step``, as the SDK expects. Forward-only calls run without gradients.
@@ -266,7 +265,6 @@ class TinkerTrainer:
         """The adapter in PEFT's folder format in ``folder`` (a local directory)."""
         adapter = self.get(model_id)
         self.banks[adapter.base].save_peft(adapter.key, adapter.lora, folder)
-
 
 
 def shared_prefixes(tokens: list[np.ndarray], owners: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,7 +206,8 @@ def test_rows_sharing_a_prefix_run_it_once_and_train_as_the_plain_pass(tiny_fold
     want = plain.forward_backward(calls)
 
     for (outs_s, metrics_s), (outs_p, metrics_p) in zip(got, want, strict=True):
-        assert metrics_s["loss:sum"] == pytest.approx(metrics_p["loss:sum"], rel=1e-4)
+        # a sum of terms of both signs: float noise is relative to the terms, not to the sum
+        assert metrics_s["loss:sum"] == pytest.approx(metrics_p["loss:sum"], rel=1e-4, abs=1e-4)
         for os_, op in zip(outs_s, outs_p, strict=True):  # prompt positions included
             np.testing.assert_allclose(os_["logprobs"], op["logprobs"], rtol=1e-4, atol=1e-5)
     for model_id in clients:
