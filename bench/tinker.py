@@ -15,11 +15,17 @@ Run: ``.venv/bin/python bench/tinker.py [--parts parity,clients] [--model tiny|s
 - ``parity`` (``--model smollm2-135m-instruct``): the same, on SmolLM2-135M-Instruct and
   ``configs/smollm2-arith.toml``'s task (``examples/tinker_toy_rl.py task=arith``: additions asked in
   words, the chat template, the math reward): 8 prompts x 8 samples a step, up to 16 new tokens,
-  temperature 0.5, LoRA rank 8 (alpha 32, every linear layer and the LM head), micro-batches of 8.
+  LoRA rank 8 (alpha 32, every linear layer and the LM head), micro-batches of 8.
+- ``--temperature`` (default 1) samples both loops at that temperature. At 1 they optimise the same
+  thing. At any other they do not, by design of each: Tinker's ``sample`` returns the logprobs of
+  the tempered distribution, and its training logprobs are the raw model's, so the cookbook's
+  importance-sampling loss weighs each token by p(token) / p_T(token) and trains the raw policy;
+  ``miles train`` (as Miles does) trains the tempered policy log_softmax(logits / T), on-policy.
 - ``clients``: 1, 4 and 16 LoRA training clients at once (rank 8, one thread each), each
   ``--client-steps`` of ``forward_backward`` (8 datums of a fixed batch, cross-entropy) +
-  ``optim_step``; the wall time until all are done, as a ratio to one client's (goal: 16 clients
-  <= 4x one client's wall time), and how many clients' calls the service ran together.
+  ``optim_step`` after one untimed step (the SDK opens one connection per concurrent training
+  call, ~45 ms each here); the wall time until all are done, as a ratio to one client's (goal: 16
+  clients <= 4x one client's wall time), and how many clients' calls the service ran together.
 
 Writes ``bench/results/tinker[_smollm2].md`` (and prints it), with the load average before and after.
 """
@@ -106,7 +112,8 @@ def run_cookbook(args, url: str, folder: str, log_path: str) -> list[dict]:
            f"model_name={folder}", f"log_path={log_path}", f"max_steps={args.steps}",
            f"learning_rate={args.lr}", "lora_rank=8", f"seed={args.seed}"]
     if args.model != "tiny":
-        cmd += ["task=arith", "batch_size=8", "group_size=8", "max_tokens=16", "temperature=0.5"]
+        cmd += ["task=arith", "batch_size=8", "group_size=8", "max_tokens=16"]
+    cmd.append(f"temperature={args.temperature}")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the cookbook's loop failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -127,7 +134,7 @@ def run_ours(args, folder: str, root: str) -> list[dict]:
         "data": {"type": "toy"} if tiny else {"type": "file", "path": str(ROOT / "datasets" / "arith" / "train.jsonl"),
                                                "apply_chat_template": True},
         "rollout": {"num_rollout": args.steps, "rollout_batch_size": 32 if tiny else 8, "n_samples_per_prompt": 8,
-                    "rollout_max_response_len": 6 if tiny else 16, "rollout_temperature": 1.0 if tiny else 0.5,
+                    "rollout_max_response_len": 6 if tiny else 16, "rollout_temperature": args.temperature,
                     "reward": "toy" if tiny else "math"},
         "train": {"lr": args.lr, "adam_beta1": 0.9, "adam_beta2": 0.95, "clip_grad": 0.0,
                   "micro_batch_size": 64 if tiny else 8, "loss": {"type": "grpo", "advantage_std_normalize": False}},
@@ -189,31 +196,20 @@ def clients(args, root: str) -> str:
 
     model = "tiny-addition" if args.model == "tiny" else args.model
     rows = []
-    with service(model, tempfile.mkdtemp(dir=root)) as url, tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
-        warm = sc.create_lora_training_client(base_model=model, rank=8).result()
-        tok = warm.get_tokenizer()
-        text = "12+34=46\n" if args.model == "tiny" else "What is 12 + 34? The answer is 46."
-        tokens = tok.encode(text)
-        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
-        batch = [datum] * 8
-        step(warm, batch, types)  # the first pass of a process is slow: not in any timing
+    with service(model, tempfile.mkdtemp(dir=root)) as url:
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            first = sc.create_lora_training_client(base_model=model, rank=8).result()
+            tok = first.get_tokenizer()
+            text = "12+34=46\n" if args.model == "tiny" else "What is 12 + 34? The answer is 46."
+            tokens = tok.encode(text)
+            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+            batch = [datum] * 8
+            step(first, batch, types)  # the first pass of a process is slow: not in any timing
         for n in args.clients:
-            tcs = [sc.create_lora_training_client(base_model=model, rank=8, seed=k).result() for k in range(n)]
-            before = len(stats(url)["fused_sizes"])
-            barrier = threading.Barrier(n + 1)
-            threads = [threading.Thread(target=lambda tc=tc: (barrier.wait(), [step(tc, batch, types)
-                                                                             for _ in range(args.client_steps)]))
-                       for tc in tcs]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            t0 = time.monotonic()
-            for t in threads:
-                t.join()
-            wall = time.monotonic() - t0
-            sizes = stats(url)["fused_sizes"][before:]
-            rows.append({"n": n, "wall": wall, "fused": statistics.fmean(sizes) if sizes else 0.0})
+            # a session per row: when it ends, the service stops waiting for its clients' calls
+            with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+                rows.append({"n": n, **_concurrent(sc, model, n, batch, args.client_steps, url)})
     one = rows[0]["wall"]
     lines = [f"{args.client_steps} steps per client (forward_backward of 8 datums x {len(tokens) - 1} tokens + "
              "optim_step), LoRA rank 8.", "",
@@ -225,6 +221,35 @@ def clients(args, root: str) -> str:
     return "\n".join(lines)
 
 
+def _concurrent(sc, model: str, n: int, batch: list, steps: int, url: str) -> dict:
+    """``n`` new training clients, each on its own thread, ``steps`` steps each after one untimed
+    step; the wall time of the timed steps and the clients per fused pass."""
+    from tinker import types
+
+    tcs = [sc.create_lora_training_client(base_model=model, rank=8, seed=k).result() for k in range(n)]
+    ready, go = threading.Barrier(n + 1), threading.Barrier(n + 1)
+
+    def run(tc) -> None:
+        step(tc, batch, types)  # untimed: the SDK opens a connection per concurrent training call
+        ready.wait()
+        go.wait()
+        for _ in range(steps):
+            step(tc, batch, types)
+
+    threads = [threading.Thread(target=run, args=(tc,)) for tc in tcs]
+    for t in threads:
+        t.start()
+    ready.wait()
+    before = len(stats(url)["fused_sizes"])
+    go.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    sizes = stats(url)["fused_sizes"][before:]
+    return {"wall": wall, "fused": statistics.fmean(sizes) if sizes else 0.0}
+
+
 def step(tc, batch, types) -> None:
     tc.forward_backward(batch, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
@@ -234,23 +259,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="parity,clients")
     p.add_argument("--model", default="tiny", choices=["tiny", "smollm2-135m-instruct"])
-    p.add_argument("--steps", type=int, default=None, help="RL steps (default: 40 tiny, 10 SmolLM2)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: 40 tiny, 20 SmolLM2)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 tiny, 4e-4 SmolLM2")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of both loops (default 1: at any other, the two optimise different "
+                        "things, see the module docstring)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--client-steps", type=int, default=5)
+    p.add_argument("--client-steps", type=int, default=30)
     args = p.parse_args()
     args.steps = args.steps or (40 if args.model == "tiny" else 20)
     args.lr = args.lr or (1e-3 if args.model == "tiny" else 4e-4)
     load_before = os.getloadavg()[0]
     sections = []
     with tempfile.TemporaryDirectory(prefix="bench-tinker-") as root:
-        if "parity" in args.parts:
-            sections.append("### The cookbook's RL loop through the service\n\n" + parity(args, root))
-            print(sections[-1], file=sys.stderr, flush=True)
-        if "clients" in args.parts:
+        if "clients" in args.parts:  # first: the parity part's Prefect server leaves work behind it
             sections.append("### Concurrent training clients\n\n" + clients(args, root))
             print(sections[-1], file=sys.stderr, flush=True)
+        if "parity" in args.parts:
+            sections.insert(0, "### The cookbook's RL loop through the service\n\n" + parity(args, root))
+            print(sections[0], file=sys.stderr, flush=True)
     from importlib.metadata import version
 
     head = (f"Command: `.venv/bin/python bench/tinker.py {' '.join(sys.argv[1:])}`\n\n"
@@ -258,7 +286,8 @@ def main() -> None:
             f"{os.getloadavg()[0]:.2f} after.\n\n")
     text = head + "\n\n".join(sections) + "\n"
     print(text)
-    name = "tinker.md" if args.model == "tiny" else "tinker_smollm2.md"
+    name = ("tinker" if args.model == "tiny" else "tinker_smollm2") + \
+        ("" if args.temperature == 1.0 else f"_t{args.temperature:g}") + ".md"
     (ROOT / "bench" / "results" / name).write_text(text)
 
 

@@ -140,6 +140,7 @@ class TinkerService:
         for client in list(self.clients.values()):
             if client.info["session_id"] == session_id and client.live:
                 self._end(client, "COMPLETED", f"the client's session finished ({reason})")
+                self.queue.forget(client.info["model_id"])
 
     # -- training clients
 
@@ -253,6 +254,8 @@ class TinkerService:
             except Exception as e:  # noqa: BLE001 - the call's future carries it
                 self._fail(call.request_id, e)
             self.queue.done(call)
+            if call.kind == "unload_model":
+                self.queue.forget(call.model_id)
 
     def _alone(self, call: Call) -> Any:
         try:

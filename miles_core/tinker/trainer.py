@@ -210,7 +210,7 @@ class TinkerTrainer:
         group = {"lr": lr, "betas": (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
                  "eps": float(adam.get("eps", 1e-12)), "weight_decay": float(adam.get("weight_decay", 0.0))}
         if adapter.optimizer is None:
-            adapter.optimizer = torch.optim.AdamW(params, **group)
+            adapter.optimizer = torch.optim.AdamW(params, foreach=True, **group)  # one op over all tensors
         adapter.optimizer.param_groups[0].update(group)
         grads = [p.grad for p in params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0

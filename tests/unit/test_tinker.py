@@ -11,6 +11,7 @@ from tinker import types
 from tinker.proto import request_conv, response_conv
 
 from miles_core.tinker import losses, wire
+from miles_core.tinker.calls import ACTIVE_S
 from miles_core.tinker.wire import Datum, ForwardBackward
 
 
@@ -139,25 +140,41 @@ CLIENTS = {"a:train:0": 2, "a:train:1": 4, "b:train:0": 8, "b:train:1": 4}
 LOSS_FNS = ["cross_entropy", "importance_sampling", "ppo", "cross_entropy"]
 
 
-def test_fused_calls_of_four_clients_equal_each_client_alone(tiny_folder: str) -> None:
+# ranks of the four clients, datums of each: clients of several ranks (each adapter's own small
+# products), of one rank with as many datums each (one batched product over the pass's rows as they
+# are), and of one rank with datums of their own number (batched over rows padded to the widest)
+SHAPES = {"ranks differ": ([2, 4, 8, 4], [2, 2, 2, 2]), "one rank": ([4, 4, 4, 4], [2, 2, 2, 2]),
+          "one rank, padded": ([4, 4, 4, 4], [2, 3, 2, 1])}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_calls_of_four_clients_equal_each_client_alone(tiny_folder: str, shape: str, monkeypatch) -> None:
+    from miles_core.train.adapter_bank import BankLinear
+
+    batched = []
+    real_delta = BankLinear._batched_delta
+    monkeypatch.setattr(BankLinear, "_batched_delta", lambda self, *a: batched.append(1) or real_delta(self, *a))
+    ranks, datums = SHAPES[shape]
+    clients = dict(zip(CLIENTS, ranks, strict=True))
     torch.manual_seed(0)
-    fused, alone = _trainer(tiny_folder, CLIENTS), _trainer(tiny_folder, CLIENTS)
-    calls = [_call(m, fn, k) for k, (m, fn) in enumerate(zip(CLIENTS, LOSS_FNS, strict=True))]
+    fused, alone = _trainer(tiny_folder, clients), _trainer(tiny_folder, clients)
+    calls = [_call(m, fn, k, n) for k, (m, fn, n) in enumerate(zip(CLIENTS, LOSS_FNS, datums, strict=True))]
 
     together = fused.forward_backward(calls)
+    assert bool(batched) == (len(set(ranks)) == 1)  # the path this case is about ran
     separately = [alone.forward_backward([c])[0] for c in calls]
     for (outs_f, metrics_f), (outs_a, metrics_a) in zip(together, separately, strict=True):
         assert metrics_f["loss:sum"] == pytest.approx(metrics_a["loss:sum"], rel=1e-4)
         for of, oa in zip(outs_f, outs_a, strict=True):
             np.testing.assert_allclose(of["logprobs"], oa["logprobs"], rtol=1e-4, atol=1e-5)
-    grads = {m: {k: p.grad.clone() for k, p in alone.get(m).params.items()} for m in CLIENTS}
-    for model_id in CLIENTS:
+    grads = {m: {k: p.grad.clone() for k, p in alone.get(m).params.items()} for m in clients}
+    for model_id in clients:
         for k, p in fused.get(model_id).params.items():
             _same_but_float_noise(p.grad, grads[model_id][k])
         fused.optim_step(model_id, {"learning_rate": 1e-2})
         alone.optim_step(model_id, {"learning_rate": 1e-2})
 
-    for model_id in CLIENTS:
+    for model_id in clients:
         pf, pa = fused.get(model_id).params, alone.get(model_id).params
         moved = max(float((p - torch.zeros_like(p)).abs().max()) for k, p in pf.items() if "lora_B" in k)
         assert moved > 0  # the step changed B (zero at the start)
@@ -213,6 +230,74 @@ def test_rows_sharing_a_prefix_run_it_once_and_train_as_the_plain_pass(tiny_fold
     for model_id in clients:
         for k, p in shared.get(model_id).params.items():
             _same_but_float_noise(p.grad, plain.get(model_id).params[k].grad)
+
+
+# the prompts are longer than MIN_SHARED_PREFIX, so each group's prompt runs once in the service's pass
+LONG_PROMPTS = {"Add them: 1+2=": ["3", "12", "4", "03"], "Add them: 10+5=": ["15", "5", "105", "16"]}
+STEPS = ([[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]], [[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+
+
+def test_an_importance_sampling_client_trains_as_miles_grpo_does(tiny_model_dir, tmp_path) -> None:
+    """The cookbook's RL step through the service (``forward`` for the sampler's logprobs, then
+    ``forward_backward`` with ``importance_sampling`` and group-centred advantages, ``optim_step``)
+    moves the adapter as ``miles train``'s GRPO step does on the same samples from the same weights
+    (LoRA on every linear layer and the head, token-mean loss, no std normalisation). Tinker's loss
+    is a token sum, N times the token mean, so its AdamW gets eps * N: Adam's steps are then the same."""
+    from test_trainer import FakeWeightStore
+
+    from miles_core.config import GRPOLossConfig, LoraConfig, TrainConfig
+    from miles_core.models.tiny import build_tokenizer
+    from miles_core.tinker.trainer import TinkerTrainer
+    from miles_core.train.base import TrainBatch
+    from miles_core.train.torch_trainer import TorchTrainer
+    from miles_core.types import Group, Sample
+
+    tok = build_tokenizer()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    lora = LoraConfig(rank=4, alpha=16, target_modules=targets)
+    loss = GRPOLossConfig(advantage_std_normalize=False)
+    cfg = TrainConfig(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0, global_batch_size=8,
+                      micro_batch_size=8, loss=loss)
+    miles = TorchTrainer(str(tiny_model_dir), cfg, FakeWeightStore(tmp_path), lora=lora)
+    service = TinkerTrainer({"tiny": str(tiny_model_dir)}, lora_alpha=16)
+    client = service.create("m", "tiny", 4, seed=0)
+    # (PEFT also saves the head's base weight, tied to the embeddings: saved, not trained)
+    assert set(client.params) == {k for k in miles.weights() if ".lora_" in k}
+    with torch.no_grad():
+        for k, p in client.params.items():
+            p.copy_(miles.weights()[k])  # the same A (B is zero in both)
+
+    for rewards in STEPS:
+        responses = [[tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
+                     for answers in LONG_PROMPTS.values()]
+        groups = [Group([Sample(prompt, tok.encode(prompt, add_special_tokens=False), responses[g][i], a,
+                                reward=rewards[g][i], loss_mask=[1] * len(responses[g][i]), group_index=g,
+                                sample_index=i)
+                         for i, a in enumerate(answers)])
+                  for g, (prompt, answers) in enumerate(LONG_PROMPTS.items())]
+        batch = TrainBatch.from_groups(groups, temperature=1.0, loss=loss)
+        data, n_tokens = [], 0
+        for sample, adv in zip(batch.samples, batch.advantages, strict=True):
+            tokens = np.array(sample.prompt_ids + sample.response_ids)
+            response = np.arange(len(tokens) - 1) >= len(sample.prompt_ids) - 1  # positions predicting it
+            n_tokens += int(response.sum())
+            data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "advantages": np.where(response, adv, 0.0)}))
+        (outs, _), = service.forward_backward([ForwardBackward("m", 1, "cross_entropy", {}, True, [
+            Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": np.ones(len(d.tokens))})
+            for d in data])])
+        for d, out in zip(data, outs, strict=True):  # the sampler's logprobs: the policy's own
+            d.inputs["logprobs"] = out["logprobs"].astype(np.float64)
+        service.forward_backward([ForwardBackward("m", 2, "importance_sampling", {}, False, data)])
+        grads = {k: p.grad.clone() for k, p in client.params.items()}
+        service.optim_step("m", {"learning_rate": cfg.lr, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8 * n_tokens})
+        miles.step(batch)
+
+        want = miles.weights()
+        for k, p in client.params.items():
+            g = grads[k]  # Adam's first step is about lr * sign(grad): compare where the sign is not float noise
+            real = g.abs() > 1e-2 * float(g.abs().max())
+            torch.testing.assert_close(p.detach()[real], want[k][real], rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert any(float(p.abs().max()) > 0 for k, p in client.params.items() if "lora_B" in k)
 
 
 def test_gradients_add_up_across_calls_until_the_optimizer_step(tiny_folder: str) -> None:
@@ -325,6 +410,74 @@ def test_a_gap_that_never_fills_fails_the_calls_behind_it_by_name() -> None:
 
     assert q._ready() == []
     assert "waited 0 s for seq_id 2, which never came; seq_id 3 cannot run before it" in failed["m-3"]
+
+
+def _gathering_queue():
+    """A queue whose rounds wait up to 30 s for clients on their way, and an event set once ``take``
+    waits for one (a test that puts a call after it knows the call was waited for)."""
+    import threading
+
+    from miles_core.tinker.calls import CallQueue
+
+    q = CallQueue(lambda rid, e: None, gather_s=30.0)
+    waiting = threading.Event()
+
+    class Cond(type(q._cond)):
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    q._cond = Cond()
+    return q, waiting
+
+
+def _take_in_thread(q):
+    import threading
+
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(q.take()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_pass_waits_for_the_other_clients_and_runs_fused_with_theirs() -> None:
+    q, waiting = _gathering_queue()
+    for m in ("a", "b"):
+        q.put(_c(m, 0, "create"), ordered=False)
+    for c in q.take():
+        q.done(c)  # both answered now
+    q.put(_c("a", 1, "forward_backward"))
+
+    t, out = _take_in_thread(q)
+    assert waiting.wait(10), "take ran a's pass without waiting for b's"
+    q.put(_c("b", 1, "forward_backward"))
+    t.join(10)
+    assert sorted(c.request_id for c in out[0]) == ["a-1", "b-1"]
+
+
+def test_a_client_alone_never_waits_nor_for_idle_or_forgotten_ones() -> None:
+    q, waiting = _gathering_queue()
+    q.put(_c("a", 0, "create"), ordered=False)
+    q.done(q.take()[0])
+    q.put(_c("a", 1, "forward_backward"))
+    ran = q.take()
+    assert [c.request_id for c in ran] == ["a-1"]  # no other client: at once (else 30 s)
+    q.done(ran[0])
+
+    q.put(_c("b", 0, "create"), ordered=False)
+    q.done(q.take()[0])
+    q.forget("b")
+    q.put(_c("a", 2, "forward_backward"))
+    ran = q.take()
+    assert [c.request_id for c in ran] == ["a-2"]
+    q.done(ran[0])
+
+    q.put(_c("c", 0, "create"), ordered=False)
+    q.done(q.take()[0])
+    q._answered["c"] -= 2 * ACTIVE_S  # c was last answered long ago: idle (sampling, say)
+    q.put(_c("a", 3, "forward_backward"))
+    assert [c.request_id for c in q.take()] == ["a-3"]
+    assert not waiting.is_set()
 
 
 def test_take_returns_none_once_closed() -> None:
