@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -262,6 +262,17 @@ class AdapterBank:
             cached = self._padded[key] = (torch.tensor(take, device=device), torch.tensor(back, device=device))
         return cached
 
+    def router(self, owner: Tensor, names: list[str]) -> Callable[[Tensor], AbstractContextManager]:
+        """For ``forward_logits``: rows ``pass_rows`` of a batch whose row i is adapter
+        ``names[owner[i]]``'s, in adapter order, each routed through its adapter."""
+
+        def route(pass_rows: Tensor) -> AbstractContextManager:
+            counts = torch.bincount(owner[pass_rows], minlength=len(names)).tolist()
+            bounds = [0, *itertools.accumulate(counts)]
+            return self.route([(n, bounds[k], bounds[k + 1]) for k, n in enumerate(names) if counts[k]])
+
+        return route
+
     @contextmanager
     def route(self, routes: Routes) -> Iterator[None]:
         """Forward passes in the block send each row range through its adapter. Only the thread
@@ -403,14 +414,9 @@ class AdapterBank:
         rows = Rows(**{f: torch.cat(v) for f, v in parts.items()})
         owner = owner.to(rows.input_ids.device)
 
-        def route(pass_rows: Tensor) -> AbstractContextManager:
-            # a pass's rows are in adapter order (the prompt pass's too: its keys sort by adapter first)
-            counts = torch.bincount(owner[pass_rows], minlength=len(names)).tolist()
-            bounds = [0, *itertools.accumulate(counts)]
-            return self.route([(n, bounds[k], bounds[k + 1]) for k, n in enumerate(names) if counts[k]])
-
+        # a pass's rows are in adapter order (the prompt pass's too: its keys sort by adapter first)
         share = all(self.trainers[name].cfg.share_prompt_forward for name in names)
-        out = forward_logits(self.model, rows, share, route)
+        out = forward_logits(self.model, rows, share, self.router(owner, names))
         logits, at = [], 0
         for _, mb in group:
             logits.append(out[at : at + mb.num_rows, : mb.input_ids.shape[1]])
