@@ -9,7 +9,8 @@ Run: ``.venv/bin/python bench/tinker.py [--parts parity,clients] [--model tiny|s
   and settings: 32 prompts x 8 samples a step, up to 6 new tokens, temperature 1, LoRA rank 8 with
   alpha 32 on every linear layer and the LM head, AdamW lr ``--lr`` with betas (0.9, 0.95), no
   gradient clipping, group-centred rewards without std normalisation (the cookbook's advantages),
-  one optimizer step a batch. Per step: mean training reward of each; the 10-step rolling means'
+  one optimizer step a batch, the same prompts at each step (the recipe reads them in order;
+  ``miles train`` runs with ``rollout_shuffle`` off). Per step: mean training reward of each; the 10-step rolling means'
   mean absolute difference (goal, Miles' parity bar: <= 0.1); time per step, per
   ``forward_backward`` + ``optim_step`` (the cookbook's ``time/train_step``), samples/s.
 - ``parity`` (``--model smollm2-135m-instruct``): the same, on SmolLM2-135M-Instruct and
@@ -133,7 +134,9 @@ def run_ours(args, folder: str, root: str) -> list[dict]:
         "model": {"path": folder},
         "data": {"type": "toy"} if tiny else {"type": "file", "path": str(ROOT / "datasets" / "arith" / "train.jsonl"),
                                                "apply_chat_template": True},
-        "rollout": {"num_rollout": args.steps, "rollout_batch_size": 32 if tiny else 8, "n_samples_per_prompt": 8,
+        # the recipe reads the prompts in order: so does this run (the same prompts at each step)
+        "rollout": {"rollout_shuffle": False, "num_rollout": args.steps, "rollout_batch_size": 32 if tiny else 8,
+                    "n_samples_per_prompt": 8,
                     "rollout_max_response_len": 6 if tiny else 16, "rollout_temperature": args.temperature,
                     "reward": "toy" if tiny else "math"},
         "train": {"lr": args.lr, "adam_beta1": 0.9, "adam_beta2": 0.95, "clip_grad": 0.0,
