@@ -33,8 +33,9 @@ TITLES = {
     "rewards": "Rewards: the math reward against math-verify alone, and each reward's time per call (bench/rewards.py)",
     "real_model-vllm": "A real model on the vLLM engine (bench/real_model.py)",
     "tinker": "The Tinker API: the cookbook's RL loop through miles tinker-serve vs miles train, concurrent clients (bench/tinker.py)",
-    "tinker_smollm2": "The Tinker API on SmolLM2-135M-Instruct: the cookbook's RL loop on the arithmetic task vs miles train (bench/tinker.py --model smollm2-135m-instruct --parts parity)",
+    "tinker_smollm2": "The Tinker API on SmolLM2-135M-Instruct: the cookbook's RL loop on the arithmetic task vs miles train, seed 0 (bench/tinker.py --model smollm2-135m-instruct --parts parity --steps 12)",
     "tinker_smollm2_t0.5": "The Tinker API on SmolLM2-135M-Instruct at temperature 0.5, where the cookbook's loss and miles train's differ (bench/tinker.py --model smollm2-135m-instruct --parts parity --temperature 0.5)",
+    "tinker_smollm2_seed1": "The Tinker API on SmolLM2-135M-Instruct, seed 1 (bench/tinker.py --model smollm2-135m-instruct --parts parity --steps 12 --seed 1)",
     "tinker_passes": "The Tinker service's training passes on SmolLM2: one pass, 512-token passes, each prompt once (bench/tinker_passes.py)",
     "peer_trl_smollm2_idle": "Against TRL's GRPOTrainer on SmolLM2-135M-Instruct, rerun (bench/peer_trl.py --model smollm2-135m-instruct --systems trl,sync,async)",
 }

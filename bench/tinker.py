@@ -290,7 +290,7 @@ def main() -> None:
     text = head + "\n\n".join(sections) + "\n"
     print(text)
     name = ("tinker" if args.model == "tiny" else "tinker_smollm2") + \
-        ("" if args.temperature == 1.0 else f"_t{args.temperature:g}") + ".md"
+        ("" if args.temperature == 1.0 else f"_t{args.temperature:g}") + ("" if args.seed == 0 else f"_seed{args.seed}") + ".md"
     (ROOT / "bench" / "results" / name).write_text(text)
 
 
