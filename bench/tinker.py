@@ -28,7 +28,8 @@ Run: ``.venv/bin/python bench/tinker.py [--parts parity,clients] [--model tiny|s
   call, ~45 ms each here); the wall time until all are done, as a ratio to one client's (goal: 16
   clients <= 4x one client's wall time), and how many clients' calls the service ran together.
 
-Writes ``bench/results/tinker[_smollm2].md`` (and prints it), with the load average before and after.
+Writes ``bench/results/tinker[_smollm2][_t<temperature>][_seed<seed>].md`` (the suffixes when not 1
+and 0) and prints it, with the load average before and after.
 """
 
 from __future__ import annotations

@@ -55,14 +55,11 @@ class CallQueue:
         self._waiting: dict[str, dict[int, Call]] = {}
         self._next: dict[str, int | None] = {}
         self._answered: dict[str, float] = {}
-        """When each client's last call was answered (``done``)."""
-        self._gone: set[str] = set()
-        """Clients unloaded or whose session finished: nothing waits for them."""
+        """When each client's last call was answered (``done``); a client gone is not in it."""
         self._closed = False
 
     def put(self, call: Call, ordered: bool = True) -> None:
         with self._cond:
-            self._gone.discard(call.model_id)
             waiting = self._waiting.setdefault(call.model_id, {})
             nxt = self._next.get(call.model_id)
             if not ordered:  # runs next, whatever the numbers of the calls waiting
@@ -96,7 +93,7 @@ class CallQueue:
         now, here = time.monotonic(), {c.model_id for c in ready}
         if now >= start + self.gather_s or not any(c.kind == "forward_backward" for c in ready):
             return None
-        if all(m in here or m in self._gone or now - t >= ACTIVE_S for m, t in self._answered.items()):
+        if all(m in here or now - t >= ACTIVE_S for m, t in self._answered.items()):
             return None
         return start + self.gather_s
 
@@ -115,7 +112,7 @@ class CallQueue:
     def forget(self, model_id: str) -> None:
         """The client is gone (unloaded, its session finished): rounds no longer wait for it."""
         with self._cond:
-            self._gone.add(model_id)
+            self._answered.pop(model_id, None)
 
     def close(self) -> None:
         with self._cond:

@@ -184,12 +184,12 @@ class TinkerTrainer:
             targets[r, :n] = torch.as_tensor(d.inputs["target_tokens"].astype(np.int64))
             mask[r, :n] = 1
         keys = [self.adapters[calls[k].model_id].key for k, _ in part]
-        names = list(dict.fromkeys(keys))  # a pass's rows (its prompt pass's too) are in client order
-        owner = torch.as_tensor([names.index(key) for key in keys])
+        index = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # rows (prompt pass's too) in client order
+        owner = torch.as_tensor([index[key] for key in keys])
         lengths = torch.as_tensor([len(d.tokens) for d in datums])
         prompt_lens, prompt_index = shared_prefixes([d.tokens for d in datums], keys)
         rows = Rows(ids, mask, torch.arange(width).expand(len(datums), width), lengths, prompt_lens, prompt_index)
-        logits = forward_logits(bank.model, rows, share=True, route=bank.router(owner, names), prompt_columns=True)
+        logits = forward_logits(bank.model, rows, share=True, route=bank.router(owner, list(index)), prompt_columns=True)
         lp = token_logprobs(logits, targets)
         return [lp[r, : len(d.tokens)] for r, d in enumerate(datums)]
 

@@ -135,7 +135,7 @@ class BankLinear(nn.Module):
         if plain:
             h = x.to(a.dtype)
         else:
-            take, back = self._bank[0].padded_rows(routes, rows)
+            take, back = self._bank[0].padded_rows(routes, rows, x.device)
             h = x.index_select(0, take).to(a.dtype)  # [n * width, ..., in]
         slots, inner = h.shape[0], h.shape[1:-1]
         scale = torch.tensor([self.scaling[name] for name, _, _ in routes], dtype=a.dtype, device=a.device)
@@ -245,7 +245,7 @@ class AdapterBank:
                 out[f"base_model.model.{path}.lora_B.weight"] = layer.lora_B[name]
         return out
 
-    def padded_rows(self, routes: Routes, rows: int) -> tuple[Tensor, Tensor]:
+    def padded_rows(self, routes: Routes, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """For ``BankLinear``'s batched products: the pass's row of each padded slot (route k's
         rows, then copies of its last up to the widest range) and, for each of the ``rows`` rows
         of the pass, its slot (or the one past the end: zeros). Every layer of a pass asks for the
@@ -258,7 +258,6 @@ class AdapterBank:
             back = [len(take)] * rows
             for k, (_, start, stop) in enumerate(routes):
                 back[start:stop] = range(k * width, k * width + stop - start)
-            device = next(iter(self.layers.values())).base.weight.device
             cached = self._padded[key] = (torch.tensor(take, device=device), torch.tensor(back, device=device))
         return cached
 
