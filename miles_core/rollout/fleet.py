@@ -364,7 +364,8 @@ class Heartbeat:
 
     producer: str
     status: str
-    """``starting``, ``running``, ``paused``, ``stopped`` or ``failed``."""
+    """``starting``, ``running``, ``paused``, ``stopping`` (told to stop, settling what is in flight),
+    ``stopped`` or ``failed``."""
     beat: int = 0
     """Incremented on every write: the trainer measures liveness by when it last changed."""
     weight_version: int = 0

@@ -387,8 +387,9 @@ class RolloutProducer:
         signal = await asyncio.to_thread(self.link.poll, self)
         if signal.fleet_size is not None:
             self.backlog.fleet_size = signal.fleet_size
-        if signal.stop:
+        if signal.stop and not self._stop.is_set():
             self._stop.set()
+            await asyncio.to_thread(self.link.poll, self, True)  # "stopping": the run folder says it was heard
         if signal.pause_holders and not self._paused_for and self._pausing is None:
             self._pausing = self._spawn(self._pause_for(list(signal.pause_holders)))
         elif not signal.pause_holders and self._paused_for:
@@ -410,7 +411,7 @@ class RolloutProducer:
         """What this producer says of itself in its heartbeat."""
         version = self.engine.weight_version
         return {
-            "status": "paused" if self._paused_for else "running",
+            "status": "stopping" if self._stop.is_set() else "paused" if self._paused_for else "running",
             "weight_version": int(version) if isinstance(version, int) else 0,
             "outstanding": self._outstanding(),
             "in_engine": self.door.count,

@@ -53,7 +53,7 @@ class Launcher(Protocol):
 
     def ended(self, producer: str) -> str | None: ...
 
-    def stop(self, producer: str, timeout: float = 10.0) -> None: ...
+    def stop(self, producer: str, timeout: float = 10.0) -> bool: ...
 
     def cancel(self, producer: str) -> None: ...
 
@@ -183,9 +183,11 @@ class Fleet:
         for producer in self.monitor.producers():
             self.launcher.stop(producer, timeout=10)
 
-    def cancel(self, timeout: float = 10.0) -> None:
+    def cancel(self, timeout: float = 20.0) -> None:
         """The training run was cancelled or failed: cancel every producer now (a flow run ends
-        CANCELLED, a child process gets SIGTERM); each still stops cleanly, whole segments only."""
+        CANCELLED, a child process gets SIGTERM); each still stops cleanly, whole segments only.
+        One still running after ``timeout`` is killed (inside the 30 s a Prefect runner gives a
+        cancelled run's processes before it kills them all)."""
         if self._stopped:
             return
         self._stopped = True
@@ -194,7 +196,10 @@ class Fleet:
             self.launcher.cancel(producer)
         deadline = time.monotonic() + timeout
         for producer in self.monitor.alive:
-            self.launcher.stop(producer, timeout=max(0.0, deadline - time.monotonic()))
+            if self.launcher.stop(producer, timeout=max(0.0, deadline - time.monotonic())):
+                beat = self.control.heartbeats().get(producer)
+                self.warn(f"rollout producer {producer} had not stopped {timeout:.0f} s after it was cancelled; "
+                          f"killed it (its last heartbeat: {beat.status if beat else 'none'})")
         self.control.request_stop("the training run was cancelled")  # one no signal reached stops by itself
 
     # -------------------------------------------------------------------------- the trainer reads

@@ -252,17 +252,20 @@ class SubprocessLauncher:
         return f"its process {proc.pid} exited with code {code}" if code >= 0 else \
             f"its process {proc.pid} was killed by signal {signal.Signals(-code).name}"
 
-    def stop(self, producer: str, timeout: float = 10.0) -> None:
-        """Make sure it is gone: SIGTERM (it stops cleanly), then SIGKILL after ``timeout``."""
+    def stop(self, producer: str, timeout: float = 10.0) -> bool:
+        """Make sure it is gone: SIGTERM (it stops cleanly), then SIGKILL after ``timeout``; True
+        if it had to be killed."""
         proc = self.procs.get(producer)
         if proc is None or proc.poll() is not None:
-            return
+            return False
         proc.terminate()
         try:
             proc.wait(timeout)
+            return False
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+            return True
 
     def abandon(self, producer: str, reason: str) -> None:
         proc = self.procs.get(producer)

@@ -5,10 +5,12 @@ reads a flow run's task runs once the server has recorded the ones a test expect
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 from pathlib import Path
@@ -59,19 +61,35 @@ def task_graph(runs: dict[str, Any]) -> dict[str, set[str]]:
 @contextlib.contextmanager
 def served(argv: list[str], api_url: str, tail: int = 40, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """``python <argv>`` from the repository root against ``api_url`` (its runner, or worker, polling
-    every second), with ``env`` added to this process's environment."""
+    every second), with ``env`` added to this process's environment. Its output is read as it comes:
+    ``recent_output(proc)`` is its last lines so far (for a failure message mid-test)."""
     env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_RUNNER_POLL_FREQUENCY": "1",
            "PREFECT_WORKER_QUERY_SECONDS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    lines: collections.deque[str] = collections.deque(maxlen=max(tail, 200))
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout),
+                              name="served-output", daemon=True)
+    reader.start()
+    _OUTPUT[proc.pid] = lines
     try:
         yield proc
     finally:
         proc.terminate()
         try:
-            out, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
+            proc.wait()
+        reader.join(timeout=10)
+        _OUTPUT.pop(proc.pid, None)
         print(f"--- served process output (last {tail} lines) ---")
-        print("\n".join(out.splitlines()[-tail:]))
+        print("\n".join(list(lines)[-tail:]))
+
+
+_OUTPUT: dict[int, collections.deque[str]] = {}
+
+
+def recent_output(proc: subprocess.Popen, lines: int = 60) -> str:
+    """The last ``lines`` lines a ``served`` process has written so far."""
+    return "\n".join(list(_OUTPUT.get(proc.pid, ()))[-lines:])

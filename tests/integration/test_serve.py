@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from serving import REPO, served, wait_for
+from serving import REPO, recent_output, served, wait_for
 from test_train_flow import _tiny_run
 
 pytestmark = pytest.mark.integration
@@ -294,9 +294,10 @@ def _training_fully_async_run(runs_root: Path, model_dir, name: str):
     return run
 
 
-def _assert_stopped_whole(run) -> None:
+def _assert_stopped_whole(run, server) -> None:
     """Every producer stopped cleanly and its sample stream holds only whole segments; the run
     folder says which producer wrote what."""
+    from miles_core.processes import alive
     from miles_core.rollout.fleet import ControlPlane, stream_name
     from miles_core.storage import SampleStream
 
@@ -313,7 +314,13 @@ def _assert_stopped_whole(run) -> None:
     try:
         beats = wait_for(all_stopped, 30, "every producer to say it stopped", poll=0.2)
     except AssertionError:
-        raise AssertionError(f"producers not stopped 30 s after the run was: {control.heartbeats()}") from None
+        beats = control.heartbeats()
+        states = {p: (run_dir / "state" / f"producer-{p}.json").read_text()[:400] for p in beats
+                  if (run_dir / "state" / f"producer-{p}.json").exists()}
+        raise AssertionError(
+            f"producers not stopped 30 s after the run was (at {time.time():.1f}): {beats}\n"
+            f"processes alive: {({p: alive(b.pid) for p, b in beats.items()})}\nstate files: {states}\n"
+            f"--- the served process's output ---\n{recent_output(server, 80)}") from None
     for producer, beat in beats.items():
         assert beat.status == "stopped", (producer, beat)
         segments = SampleStream(str(run_dir), producer=stream_name(producer)).read()  # every one decodes
@@ -330,7 +337,7 @@ def test_cancelling_a_fully_async_run_ends_it_cancelled_leaving_nothing_partial(
     seconds = time.monotonic() - t0
     assert state.is_cancelled(), state
     assert seconds < 20, f"cancellation took {seconds:.1f} s"
-    _assert_stopped_whole(run)
+    _assert_stopped_whole(run, serving)
 
 
 def _chromium() -> str | None:
@@ -423,7 +430,7 @@ def test_cancelling_from_the_ui_ends_the_run_cancelled_leaving_nothing_partial(s
         wait_for(lambda: run.status() == "CANCELLED", 60, "the run to end CANCELLED")
         expect(page.get_by_text("Cancelled").first).to_be_visible()
         page.screenshot(path=SCREENSHOTS / "ui-cancelled.png")
-    _assert_stopped_whole(run)
+    _assert_stopped_whole(run, serving)
 
 
 @needs_chromium
