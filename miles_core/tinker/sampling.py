@@ -23,6 +23,8 @@ import logging
 import shutil
 import tempfile
 import threading
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,19 +86,44 @@ class Samplers:
         with self._lock:
             self.sessions[sampler_id] = sampler
 
-    def scratch_folder(self) -> str:
-        return tempfile.mkdtemp(dir=self._scratch)
-
-    def add_unnamed(self, sampler_id: str, sampler: Sampler) -> None:
-        """An unnamed snapshot's session; the oldest of its training client's beyond ``unnamed_kept`` go."""
+    def add_unnamed(self, owner: str, base: str, write: Callable[[str], None]) -> str:
+        """A session on an unnamed snapshot of training client ``owner`` (``write`` puts the adapter's
+        files in the folder it is given, in the scratch folder); the oldest of its beyond
+        ``unnamed_kept`` go. Returns the session's id."""
+        folder = tempfile.mkdtemp(dir=self._scratch)
+        write(folder)
+        sampler_id = f"{owner}:sample:{uuid.uuid4().hex[:12]}"
         with self._lock:
-            self.sessions[sampler_id] = sampler
-            kept = self._unnamed[sampler.owner]
+            self.sessions[sampler_id] = Sampler(base, adapter_name(folder), folder, owner=owner)
+            kept = self._unnamed[owner]
             kept.append(sampler_id)
             while len(kept) > self.unnamed_kept:
                 old = self.sessions.pop(kept.popleft(), None)
                 if old is not None:
                     shutil.rmtree(old.uri, ignore_errors=True)
+        return sampler_id
+
+    def open(self, body: dict[str, Any], store: Any, base_of: Callable[[str], str]) -> str:
+        """``create_sampling_session``: a session on a snapshot in ``store`` (``model_path``) or on a
+        base model (``base_model``, named as ``base_of`` knows it); returns its id."""
+        model_path, base_model = body.get("model_path"), body.get("base_model")
+        sampler_id = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id', uuid.uuid4().hex[:8])}"
+        if model_path:
+            path = store.resolve(model_path, "sampler_weights")
+            meta = store.meta(path)
+            if meta["base"] not in self.engines:
+                raise SamplingError(f"{model_path} was trained on {meta['base_model']!r}, which is not served here")
+            self.add(sampler_id, Sampler(meta["base"], adapter_name(model_path), store.url(*store.checkpoint(path)),
+                                         model_path))
+        elif base_model:
+            self.add(sampler_id, Sampler(base_of(base_model)))
+        else:
+            raise SamplingError("create_sampling_client needs a model_path or a base_model")
+        return sampler_id
+
+    def info(self, sampler_id: str) -> dict[str, Any]:
+        sampler = self.get(sampler_id)
+        return {"sampler_id": sampler_id, "base_model": sampler.base, "model_path": sampler.model_path}
 
     def get(self, sampler_id: str) -> Sampler:
         with self._lock:

@@ -133,7 +133,7 @@ class TinkerService:
             return
         self.runs.finished(info["model_id"], state, message, info.get("flow_run_id"))
         info["ended"] = state
-        self.store.write_json(("models", model_folder(info["model_id"]), "model.json"), info)
+        self._save_info(client)
 
     def finish_session(self, session_id: str, reason: str) -> None:
         """The SDK's ``ServiceClient`` closed (``/sessions/<id>/finish``): its clients' runs end."""
@@ -167,20 +167,7 @@ class TinkerService:
         if session_id is None or not self.store.sessions.heartbeat(session_id):
             raise UserError(f"unknown session {session_id!r}: create a session first (ServiceClient does)")
         model_id = f"{session_id}:train:{body.get('model_seq_id', 0)}"
-        if body.get("type") == "load_weights":
-            source = self.store.resolve(body["path"], "weights")
-            info = dict(self.store.read_json(("models", model_folder(source.model_id), "model.json")) or {})
-            if not info:
-                raise UserError(f"{body['path']}: no training client {source.model_id} in the store")
-            base_model = body.get("base_model") or info["base_model"]
-            lora = {k: info[k] for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
-        else:
-            base_model = body["base_model"]
-            cfg = body.get("lora_config") or {}
-            lora = {"rank": int(cfg.get("rank", 32)), "seed": cfg.get("seed"),
-                    "train_attn": cfg.get("train_attn", True), "train_mlp": cfg.get("train_mlp", True),
-                    "train_unembed": cfg.get("train_unembed", True)}
-            source = None
+        base_model, lora, source = _new_client(body, self.store)
         most = getattr(self.engine_cfg, "max_lora_rank", None)
         if most is not None and lora["rank"] > most:
             raise UserError(f"LoRA rank {lora['rank']} is above the sampling engine's largest, {most}: start the "
@@ -243,14 +230,15 @@ class TinkerService:
                     outputs, metrics = out
                     if self.runs is not None and not call.payload.forward_only:
                         self.runs.forward_backward(call.model_id, metrics["loss:sum"], len(outputs))
-                    self._resolve(call.request_id, Result(wire.forward_backward_output(outputs, metrics),
-                                                          wire.PROTOBUF))
+                    self.futures.resolve(call.request_id, Result(wire.forward_backward_output(outputs, metrics),
+                                                                 wire.PROTOBUF))
                 self.queue.done(call)
         for call in ready:
             if call.kind == "forward_backward":
                 continue
             try:
-                self._resolve_json(call.request_id, getattr(self, f"_run_{call.kind}")(call))
+                answer = getattr(self, f"_run_{call.kind}")(call)
+                self.futures.resolve(call.request_id, Result(json.dumps(answer).encode()))
             except Exception as e:  # noqa: BLE001 - the call's future carries it
                 self._fail(call.request_id, e)
             self.queue.done(call)
@@ -265,11 +253,10 @@ class TinkerService:
 
     def _run_create(self, call: Call) -> dict[str, Any]:
         client = self.clients[call.model_id]
+        self._revive(client)
+        self._save_info(client)
+        client.lost = None
         info = client.info
-        self.trainer.create(call.model_id, info["base"], info["rank"], info["seed"], info["train_attn"],
-                            info["train_mlp"], info["train_unembed"])
-        self.store.write_json(("models", model_folder(call.model_id), "model.json"), info)
-        client.live, client.lost = True, None
         if self.runs is not None:
             self.runs.started(call.model_id, info, on_created=lambda run_id: self._note_run(client, run_id))
         if call.payload is not None:  # create-via-load
@@ -278,9 +265,19 @@ class TinkerService:
             return {"model_id": call.model_id, "path": str(source), "type": "load_weights"}
         return {"model_id": call.model_id, "type": "create_model"}
 
+    def _revive(self, client: Client) -> None:
+        """The client's adapter, new, in the trainer (its state comes from a load, if any)."""
+        info = client.info
+        self.trainer.create(info["model_id"], info["base"], info["rank"], info["seed"], info["train_attn"],
+                            info["train_mlp"], info["train_unembed"])
+        client.live = True
+
+    def _save_info(self, client: Client) -> None:
+        self.store.write_json(("models", model_folder(client.info["model_id"]), "model.json"), client.info)
+
     def _note_run(self, client: Client, flow_run_id: str) -> None:
         client.info["flow_run_id"] = flow_run_id
-        self.store.write_json(("models", model_folder(client.info["model_id"]), "model.json"), client.info)
+        self._save_info(client)
 
     def _run_optim_step(self, call: Call) -> dict[str, Any]:
         metrics = self.trainer.optim_step(call.model_id, call.payload.get("adam_params") or {})
@@ -289,51 +286,47 @@ class TinkerService:
         return {"metrics": metrics, "type": "optim_step"}
 
     def _run_save_weights(self, call: Call) -> dict[str, Any]:
-        path = TinkerPath(call.model_id, "weights", check_name(call.payload.get("path") or f"step-{call.seq_id}"))
-        adapter = self.trainer.get(call.model_id)
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(f"{tmp}/state.pt", "wb") as f:
+        def write(folder: str) -> None:
+            with open(f"{folder}/state.pt", "wb") as f:
                 f.write(self.trainer.state_bytes(call.model_id))
-            self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "steps": adapter.steps,
-                                              "saved_at": time.time(), "base_model": self.clients[call.model_id].info["base_model"]})
-        if self.runs is not None:
-            self.runs.checkpoint(call.model_id, str(path))
+
+        path, _ = self._put_snapshot(call, "weights", call.payload.get("path") or f"step-{call.seq_id}", write,
+                                     steps=self.trainer.get(call.model_id).steps)
         return {"path": str(path), "type": "save_weights"}
 
     def _run_save_weights_for_sampler(self, call: Call) -> dict[str, Any]:
         """A named snapshot goes to the store for good; an unnamed one (``save_weights_and_get_sampling_client``)
         to the sampling scratch folder, with a sampling session on it."""
-        info = self.clients[call.model_id].info
-        name = call.payload.get("path")
+        base, name = self.clients[call.model_id].info["base"], call.payload.get("path")
+        write = lambda folder: self.trainer.save_sampler(call.model_id, folder)  # noqa: E731
         if name is None:
-            folder = self.sampling.scratch_folder()
-            self.trainer.save_sampler(call.model_id, folder)
-            sampler_id = f"{call.model_id}:sample:{uuid.uuid4().hex[:12]}"
-            self.sampling.add_unnamed(sampler_id, Sampler(info["base"], adapter_name(folder), folder,
-                                                          owner=call.model_id))
+            sampler_id = self.sampling.add_unnamed(call.model_id, base, write)
             return {"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
-        path = TinkerPath(call.model_id, "sampler_weights", check_name(name))
-        with tempfile.TemporaryDirectory() as tmp:
-            self.trainer.save_sampler(call.model_id, tmp)
-            uri = self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "base": info["base"],
-                                                    "base_model": info["base_model"], "saved_at": time.time()})
-        if self.runs is not None:
-            self.runs.checkpoint(call.model_id, str(path))
+        path, uri = self._put_snapshot(call, "sampler_weights", name, write, base=base)
         out: dict[str, Any] = {"path": str(path), "type": "save_weights_for_sampler"}
         if call.payload.get("sampling_session_seq_id") is not None:
             sampler_id = f"{call.model_id}:sample:{uuid.uuid4().hex[:12]}"
-            self.sampling.add(sampler_id, Sampler(info["base"], adapter_name(str(path)), uri, str(path)))
+            self.sampling.add(sampler_id, Sampler(base, adapter_name(str(path)), uri, str(path)))
             out["sampling_session_id"] = sampler_id
         return out
+
+    def _put_snapshot(self, call: Call, kind: str, name: str, write, **meta: Any) -> tuple[TinkerPath, str]:
+        """A snapshot of the client (``write`` fills a folder with it) in the store for good, shown
+        on its flow run; its path and URI."""
+        path = TinkerPath(call.model_id, kind, check_name(name))
+        with tempfile.TemporaryDirectory() as tmp:
+            write(tmp)
+            uri = self.store.put_folder(path, tmp, {"path": str(path), "seq_id": call.seq_id, "saved_at": time.time(),
+                                                    "base_model": self.clients[call.model_id].info["base_model"], **meta})
+        if self.runs is not None:
+            self.runs.checkpoint(call.model_id, str(path))
+        return path, uri
 
     def _run_load_weights(self, call: Call) -> dict[str, Any]:
         source = self.store.resolve(call.payload["path"], "weights")
         client = self.clients[call.model_id]
         if not client.live:  # after a restart: its adapter comes back first
-            info = client.info
-            self.trainer.create(call.model_id, info["base"], info["rank"], info["seed"], info["train_attn"],
-                                info["train_mlp"], info["train_unembed"])
-            client.live = True
+            self._revive(client)
         self._load(call.model_id, source, bool(call.payload.get("optimizer")))
         client.lost = None
         return {"path": str(source), "type": "load_weights"}
@@ -350,34 +343,30 @@ class TinkerService:
     # -- sampling
 
     def create_sampler(self, body: dict[str, Any]) -> str:
-        model_path, base_model = body.get("model_path"), body.get("base_model")
-        sampler_id = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id', uuid.uuid4().hex[:8])}"
-        if model_path:
-            p = self.store.resolve(model_path, "sampler_weights")
-            meta = self.store.meta(p)
-            if meta["base"] not in self.bases:
-                raise UserError(f"{model_path} was trained on {meta['base_model']!r}, which is not served here")
-            self.sampling.add(sampler_id, Sampler(meta["base"], adapter_name(model_path),
-                                                  self.store.url(*self.store.checkpoint(p)), model_path))
-        elif base_model:
-            self.sampling.add(sampler_id, Sampler(self.base_of(base_model)))
-        else:
-            raise UserError("create_sampling_client needs a model_path or a base_model")
-        return sampler_id
+        return self.sampling.open(body, self.store, self.base_of)
 
     def sampler_info(self, sampler_id: str) -> dict[str, Any]:
-        sampler = self.sampling.get(sampler_id)
-        return {"sampler_id": sampler_id, "base_model": sampler.base, "model_path": sampler.model_path}
+        return self.sampling.info(sampler_id)
 
     # -- results
-
-    def _resolve_json(self, request_id: str, obj: dict[str, Any]) -> None:
-        self.futures.resolve(request_id, Result(json.dumps(obj).encode()))
-
-    def _resolve(self, request_id: str, result: Result) -> None:
-        self.futures.resolve(request_id, result)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         user = isinstance(error, (UserError, LossError, wire.WireError, PathError, KeyError, FileExistsError,
                                   SamplingError, OrderError))
         self.futures.fail(request_id, error, user)
+
+
+def _new_client(body: dict[str, Any], store: TinkerStore) -> tuple[str, dict[str, Any], TinkerPath | None]:
+    """A new training client's base model, LoRA options and the state it starts from: as asked
+    (``create_model``), or those of the client that saved the state (create-via-load)."""
+    if body.get("type") != "load_weights":
+        cfg = body.get("lora_config") or {}
+        return body["base_model"], {"rank": int(cfg.get("rank", 32)), "seed": cfg.get("seed"),
+                                    "train_attn": cfg.get("train_attn", True), "train_mlp": cfg.get("train_mlp", True),
+                                    "train_unembed": cfg.get("train_unembed", True)}, None
+    source = store.resolve(body["path"], "weights")
+    info = store.read_json(("models", model_folder(source.model_id), "model.json"))
+    if not info:
+        raise UserError(f"{body['path']}: no training client {source.model_id} in the store")
+    lora = {k: info[k] for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
+    return body.get("base_model") or info["base_model"], lora, source
