@@ -10,6 +10,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PREFECT_HOME"):
+    # tests run in several processes (pytest -n): each its own Prefect home (database, settings)
+    os.environ["PREFECT_HOME"] = os.path.join(os.environ["PREFECT_HOME"], os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,17 @@ def _adapter_steps(tmp_path: Path) -> int:
     return min((len(f.read_text().splitlines()) for f in files), default=0) if len(files) == 2 else 0
 
 
+def _checkpointed(tmp_path: Path, trainers: int) -> bool:
+    """Whether each of the run's ``trainers`` (the run's own, or each adapter's) has a complete checkpoint."""
+    run = next((tmp_path / "runs").glob("*/soak"), None)
+    if run is None:
+        return False
+    folders = [run / "checkpoints"] if trainers == 1 else list(run.glob("adapters/*/checkpoints"))
+    return len(folders) == trainers and all(any(f.glob("step-*/state.json")) for f in folders)
+
+
 def _soak(api_url: str, tmp_path: Path, model_dir, flags: tuple[str, ...], total: int, steps, stride: int,
-          command: str = "train") -> tuple[Path, list[int], int]:
+          command: str = "train", trainers: int = 1) -> tuple[Path, list[int], int]:
     """Start the run, SIGKILL it ``KILLS`` times a few steps after each start, audit after each
     kill; then run it to the end. Returns the run folder, the steps each kill hit, and the seed."""
     seed = int(os.environ.get("MILES_SOAK_SEED", time.time_ns() % 10_000))
@@ -52,6 +61,9 @@ def _soak(api_url: str, tmp_path: Path, model_dir, flags: tuple[str, ...], total
     for kill in range(KILLS):
         proc = _miles_train(tmp_path, model_dir, *flags, command=command, api_url=api_url)
         session = _run_session(proc)
+        if kill == 0:  # a run killed before its first checkpoint is complete is not resumable (by design)
+            wait_for(lambda: _checkpointed(tmp_path, trainers) or proc.poll() is not None, 240,
+                     "a complete checkpoint of every trainer", poll=0.02)
         target = steps(tmp_path) + 2 + rng.randrange(stride)  # a few steps after where this start resumes
         wait_for(lambda: steps(tmp_path) >= target - 1 or proc.poll() is not None, 240, f"step {target - 1}",
                  poll=0.02)
@@ -59,6 +71,8 @@ def _soak(api_url: str, tmp_path: Path, model_dir, flags: tuple[str, ...], total
         wait_for(lambda: steps(tmp_path) >= target or proc.poll() is not None, 240, f"step {target}", poll=0.02)
         step_s = time.monotonic() - before
         time.sleep(rng.random() * min(0.3, 2 * step_s))  # anywhere inside the next step or two, however fast
+        assert proc.poll() is None, \
+            f"seed {seed}: start {kill + 1} ended by itself before its kill:\n{_output(proc)[1][-3000:]}"
         os.killpg(session, signal.SIGKILL)
         proc.kill()
         proc.wait(timeout=30)
@@ -133,7 +147,7 @@ def test_a_multi_lora_run_killed_again_and_again_loses_no_prompt_for_any_adapter
     flags = ("--lora-count", "2", "--lora-rank", "4", "--save-interval", "2", "--num-rollout", str(total),
              "--run-id", "soak")
     run_dir, witnesses, seed = _soak(prefect_backend, tmp_path, tiny_model_dir, flags, total, _adapter_steps,
-                                     stride=4, command="train-multi-lora")
+                                     stride=4, command="train-multi-lora", trainers=2)
     names = sorted(p.name for p in (run_dir / "adapters").iterdir())
     assert len(names) == 2
     for name in names:
