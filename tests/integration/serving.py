@@ -71,7 +71,7 @@ def served(argv: list[str], api_url: str, tail: int = 40, env: dict[str, str] | 
     reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout),
                               name="served-output", daemon=True)
     reader.start()
-    _OUTPUT[proc.pid] = lines
+    proc.recent_lines = lines
     try:
         yield proc
     finally:
@@ -82,14 +82,10 @@ def served(argv: list[str], api_url: str, tail: int = 40, env: dict[str, str] | 
             proc.kill()
             proc.wait()
         reader.join(timeout=10)
-        _OUTPUT.pop(proc.pid, None)
         print(f"--- served process output (last {tail} lines) ---")
         print("\n".join(list(lines)[-tail:]))
 
 
-_OUTPUT: dict[int, collections.deque[str]] = {}
-
-
 def recent_output(proc: subprocess.Popen, lines: int = 60) -> str:
     """The last ``lines`` lines a ``served`` process has written so far."""
-    return "\n".join(list(_OUTPUT.get(proc.pid, ()))[-lines:])
+    return "\n".join(list(proc.recent_lines)[-lines:])
