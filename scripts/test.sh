@@ -24,6 +24,6 @@ fi
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PREFECT_HOME="${PREFECT_HOME:-$PWD/.cache/prefect-test-home}"
 mkdir -p "$PREFECT_HOME"
 # pytest exits 5 when it collected no tests: that is a failure here, like any other non-zero code.
-# MILES_TEST_WORKERS=2: two processes (pytest-xdist), each taking whole test files (the integration
-# tests mostly wait on the servers and processes they start); one by default: docs/guide.md says why
-exec .venv/bin/python -m pytest -n "${MILES_TEST_WORKERS:-0}" --dist loadfile --durations=40 "$@"
+# Two processes by default (pytest-xdist), each taking whole test files: the integration tests mostly
+# wait on the servers and processes they start. MILES_TEST_WORKERS=0 runs them in this one.
+exec .venv/bin/python -m pytest -n "${MILES_TEST_WORKERS:-2}" --dist loadfile --durations=40 "$@"

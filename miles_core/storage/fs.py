@@ -191,10 +191,12 @@ def _local_temp(path: str, data: bytes | Callable[[BinaryIO], Any]):
 
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
-    """The whole file, or None when it does not exist."""
+    """The whole file, or None when it does not exist (a missing bucket is an error, not None)."""
     try:
         return fs.cat_file(path)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if _is_missing_bucket(e):
+            raise
         return None
 
 
@@ -202,7 +204,9 @@ def list_names(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
     """Base names of the entries directly in ``folder`` (empty if the folder does not exist)."""
     try:
         entries = fs.ls(folder, detail=False, refresh=True)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if _is_missing_bucket(e):
+            raise
         return []
     return [basename(e) for e in entries]
 

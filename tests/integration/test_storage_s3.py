@@ -115,6 +115,24 @@ def test_endpoint_that_stays_down_gives_a_clear_error(restartable_s3):
     assert stream.segment_uri(1) in message and s3.endpoint in message and "3 attempt" in message
 
 
+def test_a_segment_listed_before_its_bucket_went_names_the_bucket(restartable_s3):
+    """A reader lists segments, then the endpoint restarts empty before it reads them: the read
+    names the missing bucket and the endpoint, not a missing segment (which would blame the writer)."""
+    from miles_core.storage.fs import BucketMissingError
+
+    s3 = restartable_s3
+    bucket = s3.make_bucket("listed-bkt")
+    stream = SampleStream(f"{bucket}/run", storage_options=s3.storage_options)
+    stream.append(make_samples(1))
+    assert stream.offsets() == [0]
+    s3.restart()
+    with pytest.raises(BucketMissingError) as info:
+        stream.read_segment(0)
+    message = str(info.value)
+    assert f"bucket 'listed-bkt' does not exist on storage endpoint {s3.endpoint}" in message, message
+    assert stream.segment_uri(0) in message, message
+
+
 def test_checkpoints_and_weight_rollback_on_s3(root, storage_options):
     """What resuming a run needs from S3: checkpoint listing by marker (glob), pruning, and LATEST
     moved back by compare-and-swap (If-Match) with the newer versions deleted."""
