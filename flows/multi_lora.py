@@ -22,8 +22,9 @@ with every adapter from its own checkpoint. Every adapter writes a prompt ledger
 (``adapters/<name>/ledger/``); the run's summary has their audit (``miles audit RUN``).
 
 The flow holds no run: its tasks record each adapter's steps (``record-step``), end the run
-(``finish-run``) and stop it (``stop-adapter``, ``stop-run``); the live reports read the adapters'
-files. It keeps the run's live controls only: the producer's stop and each adapter's leaving.
+(``finish-run``), stop it (``stop-adapter``, ``stop-run``), stop the producer through the run's
+control plane (``stop-producer``) and let an adapter leave (``adapter-left``); the live reports
+read the adapters' files.
 """
 
 import contextvars
@@ -38,14 +39,11 @@ from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
 from miles_core.ledger import raise_if_unbalanced
-from miles_core.multi_lora import (
-    adapter_history,
-    close_multi_lora_run,
-    get_multi_lora_run,
-)
+from miles_core.multi_lora import adapter_history, close_multi_lora_run
 from miles_core.run import RunRefs, checkpoint_due
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.multi_lora import (
+    adapter_left,
     check_data,
     evaluate_adapter,
     evaluate_base,
@@ -55,6 +53,7 @@ from tasks.multi_lora import (
     rollout_producer,
     save_adapter_checkpoint,
     stop_adapter,
+    stop_producer,
     stop_run,
     train_adapter,
 )
@@ -132,11 +131,10 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
                 before = evaluate_base(c, r)
                 log.info("base model (every adapter's version 0): held-out accuracy %.3f", before["accuracy"])
             producer = rollout_producer.submit(c, r)
-            run = get_multi_lora_run(cfg, refs)  # its live controls: the producer's stop, each adapter's leaving
             try:
-                states = _run_adapters(cfg, refs, run, starts, log)
+                states = _run_adapters(cfg, refs, starts, log)
             finally:  # the producer stops before the run's slots go
-                run.stop_producer()
+                stop_producer(c, r)
                 producer.wait(timeout=120)
         if stop_requested():  # asked to stop: Cancelled, with where each adapter can resume from
             text, step = stop_run(c, r)
@@ -153,7 +151,7 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
         close_multi_lora_run(refs)
 
 
-def _run_adapters(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], log) -> dict:
+def _run_adapters(cfg: RunConfig, refs: RunRefs, starts: dict[str, int], log) -> dict:
     """Every adapter's subflow at once, each on its own thread (Prefect subflows of this run); an
     adapter that finishes or fails leaves the producer's back-pressure at once."""
 
@@ -167,10 +165,11 @@ def _run_adapters(cfg: RunConfig, refs: RunRefs, run, starts: dict[str, int], lo
                                                                  "stopped" if stop_requested() else "failed", error)
             return state
         finally:  # whatever happened, it no longer holds the producer or the other adapters' steps
-            run.mark_finished(name, error)
+            adapter_left(quote(cfg), quote(refs), quote(name), error)
 
-    with ThreadPoolExecutor(max_workers=len(run.names), thread_name_prefix="adapter") as pool:
+    names = cfg.multi_lora.names
+    with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="adapter") as pool:
         # each thread runs in a copy of this flow's context, so the subflows are children of the run
-        futures = {n: pool.submit(contextvars.copy_context().run, one, n) for n in run.names}
+        futures = {n: pool.submit(contextvars.copy_context().run, one, n) for n in names}
         return {n: f.result() for n, f in futures.items()}
 

@@ -3,7 +3,9 @@
 - ``MultiLoraRun(cfg, refs)``: the run's process-local state, composed of the run's parts
   (``miles_core.session``): one ``RolloutSide`` of the base model (``rollouts``: the engine,
   prompts, reward, over the run's ``files`` and ``loop``), the base model's ``evals`` and
-  ``history`` (its evaluation before training), and the run's one producer (``run_producer``).
+  ``history`` (its evaluation before training), and the run's one producer (``run_producer``),
+  which a fleet member's control plane drives (``fleet/``: ``stop_producer`` writes the run's
+  stop; its heartbeat says ``failed`` with its error, which ``check_producer`` raises).
 - ``AdapterSession`` (``adapters[name]``): one adapter, composed of the run's engine (through
   ``AdapterPolicy(engine, name)``: its evaluations generate with its adapter, and each push loads
   its adapter by name; the base is never reloaded), the run's sample stream and loop, and parts of
@@ -44,6 +46,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import traceback
 from dataclasses import asdict
 from typing import Any
 
@@ -53,6 +57,7 @@ from miles_core.rollout.fleet import (
     ControlPlane,
     FleetMonitor,
     Heartbeat,
+    ProducerFailed,
     PromptLog,
     recycle_to,
     settle_earlier,
@@ -229,7 +234,6 @@ class MultiLoraRun:
         self.history = RunHistory(self.files.layout, self.trackers)
         self.evals = Evaluator(base, refs, self.loop, self.files.weights, self.history, lambda: self.rollouts.tokenizer)
         self.producer: RolloutProducer | None = None
-        self._producer_error: BaseException | None = None
         opts, retry = cfg.storage.storage_options, self.files.layout.retry
         self.control = ControlPlane(refs.run_dir, opts, retry=retry)
         self.producer_id = "m0"
@@ -239,7 +243,7 @@ class MultiLoraRun:
         self._streams: dict[str, Any] = {}
         self._recycle_log = PromptLog(refs.run_dir, opts, retry=retry)
         self._recycle_lock = threading.Lock()
-        self._stop_asked = threading.Event()
+        self._checked_at, self._check_lock = -float("inf"), threading.Lock()
         if cfg.multi_lora.shared_base and not self.shares_base:
             log.info("multi_lora.shared_base needs the torch trainer backend: each adapter gets its own trainer "
                      "and copy of the base")
@@ -290,6 +294,7 @@ class MultiLoraRun:
                                heartbeat_timeout_s=float("inf"))
         settled = settle_earlier(monitor, self.files.stream, sorted(earlier, key=_start_of), self.producer_id)
         self.earlier = dict(monitor.fences)
+        self.control.clear_stop()  # the stop that ended an earlier start
         return settled
 
     def producer_names(self) -> list[str]:
@@ -346,9 +351,9 @@ class MultiLoraRun:
         self.prompts = ClaimedPrompts(self.prompt_log, self.producer_id, self.rollouts.render_rows,
                                       a.prompt_claim_size)
         pid = self.producer_id
-        # stopped through the run's control plane like a fleet member (``stop_producer`` sets the cancel
-        # event its link polls), beating its heartbeat to fleet/producers/<id>.json
-        link = ProducerLink(self.control, Heartbeat(pid, "running"), a.producer_heartbeat_s, cancel=self._stop_asked)
+        # stopped through the run's control plane like a fleet member (``stop_producer``), beating its
+        # heartbeat to fleet/producers/<id>.json
+        link = ProducerLink(self.control, Heartbeat(pid, "running"), a.producer_heartbeat_s)
         self.producer = self.rollouts.producer(
             self.prompts, self.stream_of(pid), None, link=link, consumer=self.live_cursor, routes=routes,
             capacity=capacity,
@@ -358,28 +363,51 @@ class MultiLoraRun:
         return self.producer
 
     def run_producer(self) -> dict[str, Any]:
-        """Run the producer until ``stop_producer``; its exception is kept for ``check_producer``."""
-        producer = self.producer or self.build_producer()  # stopped before it began: its first poll stops it
+        """Run the producer until ``stop_producer``; a producer that fails says so in its heartbeat
+        (with its error and traceback) for ``check_producer``."""
+        link = None
         try:
-            return asdict(self.loop.run(producer.run()))
-        except BaseException as e:
-            self._producer_error = e
-            raise
-        finally:  # what it claimed and never started or finished goes back to the pool
+            producer = self.producer or self.build_producer()  # stopped before it began: its first poll stops it
+            link = producer.link
             try:
-                self.prompts.release_own({**self.prompts.unstarted(), **producer.abandoned_groups},
-                                         reason=f"producer {self.producer_id} stopped")
-            except Exception as e:  # noqa: BLE001 (the next start gives them back: it fences this producer)
-                log.warning("producer %s could not give back its unstarted prompts (%s: %s); the run's next start "
-                            "will", self.producer_id, type(e).__name__, e)
+                stats = asdict(self.loop.run(producer.run()))
+            finally:  # what it claimed and never started or finished goes back to the pool
+                self._release_unstarted(producer)
+        except Exception as e:
+            said = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            if link is None:
+                self.control.beat(Heartbeat(self.producer_id, "failed", **said))
+            else:
+                link.beat(status="failed", outstanding=0, in_engine=0, **said)
+            raise
+        link.beat(status="stopped", stats=stats, outstanding=0, in_engine=0)
+        return stats
+
+    def _release_unstarted(self, producer: RolloutProducer) -> None:
+        try:
+            self.prompts.release_own({**self.prompts.unstarted(), **producer.abandoned_groups},
+                                     reason=f"producer {self.producer_id} stopped")
+        except Exception as e:  # noqa: BLE001 (the next start gives them back: it fences this producer)
+            log.warning("producer %s could not give back its unstarted prompts (%s: %s); the run's next start "
+                        "will", self.producer_id, type(e).__name__, e)
 
     def stop_producer(self) -> None:
-        self._stop_asked.set()  # its link's cancel event: the producer stops at its next look
+        """The run's stop in its control plane: the producer stops at its next look."""
+        self.control.request_stop("the multi-LoRA run is over")
 
-    def check_producer(self) -> None:
-        """Raise the producer's own exception if it died (every adapter's feed calls this for every batch and as it waits)."""
-        if self._producer_error is not None:
-            raise self._producer_error
+    def check_producer(self, now: bool = False) -> None:
+        """Raise ``ProducerFailed`` (its error and traceback) if the producer's heartbeat says it
+        failed. Every adapter's feed calls this for every batch and as it waits: the heartbeat is
+        read at most once a second unless ``now``."""
+        with self._check_lock:
+            t = time.monotonic()
+            if not now and t - self._checked_at < 1.0:
+                return
+            self._checked_at = t
+        hb = self.control.heartbeat(self.producer_id)
+        if hb is not None and hb.status == "failed":
+            raise ProducerFailed(f"the run's producer {self.producer_id} failed: {hb.error}\n{hb.traceback or ''}"
+                                 f"(its heartbeat: {self.control.files.url(f'producers/{self.producer_id}.json')})")
 
     # -- adapters
 

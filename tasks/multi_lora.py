@@ -26,6 +26,19 @@ def rollout_producer(cfg: RunConfig, refs: RunRefs) -> dict:
     return get_multi_lora_run(cfg, refs).run_producer()  # on the slots the flow holds for the run
 
 
+@task(name="stop-producer", cache_policy=NO_CACHE, task_run_name="stop-producer")
+def stop_producer(cfg: RunConfig, refs: RunRefs) -> None:
+    """Write the run's stop to its control plane (``fleet/control/``): the producer stops at its next look."""
+    get_multi_lora_run(cfg, refs).stop_producer()
+
+
+@task(name="adapter-left", cache_policy=NO_CACHE, task_run_name="{name}-left")
+def adapter_left(cfg: RunConfig, refs: RunRefs, name: str, error: str | None) -> None:
+    """Adapter ``name`` finished (``error`` None) or failed: it no longer holds the producer or the
+    other adapters' fused steps back (``MultiLoraRun.mark_finished``)."""
+    get_multi_lora_run(cfg, refs).mark_finished(name, error)
+
+
 @task(name="check-data", cache_policy=NO_CACHE, task_run_name="check-data")
 def check_data(cfg: RunConfig, refs: RunRefs) -> dict[str, int]:
     return get_multi_lora_run(cfg, refs).check_data()
@@ -109,7 +122,7 @@ def finish_run(cfg: RunConfig, refs: RunRefs, seconds: float) -> dict:
     from miles_core.report import data_url
 
     run = get_multi_lora_run(cfg, refs)
-    run.check_producer()
+    run.check_producer(now=True)
     summary = run.summary(seconds)
     summary["audit"] = audit_at_end(refs.run_dir, cfg.storage.storage_options, get_run_logger())
     run.finish(summary)
