@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,7 +27,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from miles_core.report import data_url, run_curves
+from miles_core.report import artifact_key, data_url, run_curves
 
 PROGRESS_EVERY_S = 2.0
 """The progress artifact is updated after a step at most this often (and after the last step): each
@@ -38,13 +37,6 @@ and a toy step takes 0.2 s."""
 TABLE_KEYS = ("step", "reward_mean", "accuracy", "loss", "kl", "grad_norm", "response_len_mean", "truncated_ratio",
               "rollout_seconds", "train_seconds", "push_seconds", "rollout_tokens_per_s", "eval_accuracy")
 """The per-step table's columns (every row's full metrics are in the run's ``metrics.jsonl``)."""
-
-
-def artifact_key(*parts: str) -> str:
-    """A Prefect artifact key (lowercase letters, digits and dashes) from a run's name, id, ...:
-    ``artifact_key("Toy_Addition", "20261204-101502-ab12", "metrics")`` ->
-    ``toy-addition-20261204-101502-ab12-metrics``."""
-    return "-".join(re.sub(r"[^a-z0-9]+", "-", part.lower()).strip("-") for part in parts if part)
 
 
 def metrics_table(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

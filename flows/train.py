@@ -31,22 +31,20 @@ evaluation before training. A run with steps done but no checkpoint fails rather
 
 
 import contextvars
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 from prefect.futures import PrefectConcurrentFuture
 from prefect.utilities.annotations import quote
 
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_line, raise_if_unbalanced
-from miles_core.run import RolloutRef, RunRefs, check_lease, checkpoint_due, close_session, get_session, history_files
+from miles_core.ledger import raise_if_unbalanced
+from miles_core.run import RolloutRef, RunRefs, check_lease, checkpoint_due, close_session, history_files
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
@@ -58,6 +56,7 @@ from tasks.train import (
     push_rollout_weights,
     push_weights,
     record_step,
+    reserve_evaluation,
     resume_run,
     rollout,
     save_checkpoint,
@@ -149,7 +148,6 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     raise _stopped(cfg, refs, step + 1, r)
         summary, curves, png = finish_run(quote(cfg), quote(refs), quote(start), quote(time.perf_counter() - t_start))
         live.finish(note=f" (also {curves})", png=png)
-        _publish_summary(cfg, summary, curves)
         raise_if_unbalanced(summary["audit"], refs.run_dir)  # it trained, but lost or repeated prompts
         return summary
     except RunStopped as stop:  # asked to stop: Cancelled, with where it can resume from
@@ -304,7 +302,7 @@ class InRunEvals:
                                  step, len(running))
                 return
             wait(running, return_when=FIRST_COMPLETED)
-        get_session(self.cfg, self.refs).evals.reserve(step, version)  # kept by retention until evaluated
+        reserve_evaluation(quote(self.cfg), quote(self.refs), quote(step), quote(version))
         # a copy of this flow's context per thread: the subflow is a child of the run
         # (the refs quoted: the subflow's node would otherwise hang off prepare-run, as a task's would)
         self.futures.append(self.pool.submit(contextvars.copy_context().run, evaluate_snapshot, self.cfg,
@@ -341,30 +339,3 @@ def _before_training(cfg: RunConfig, refs: RunRefs, start: int, log) -> None:
     else:
         before = evaluate(cfg, refs, 0)
     log.info(_eval_line("before training", before))
-
-
-def _publish_summary(cfg: RunConfig, summary: dict[str, Any], curves: str) -> None:
-    """The run's markdown summary artifact."""
-    before, after = summary["accuracy_before"], summary["accuracy_after"]
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    md = "\n".join([
-        f"# Run `{summary['run_id']}` ({cfg.name})",
-        "",
-        "| held-out accuracy | value |", "|---|---|",
-        f"| before training | {fmt(before)} |", f"| after {summary['steps']} steps | {fmt(after)} |",
-        "",
-        f"- run folder: {_link(summary['run_dir'])}",
-        f"- metrics: {_link(summary['metrics'])}, evaluations: {_link(summary['eval'])}, curves: {_link(curves)}",
-        f"- samples: {_link(summary['samples'])}",
-        f"- weights: {_link(summary['weights'])} (latest version {summary['final_version']})",
-        f"- wall time: {summary['seconds']} s",
-        f"- prompt ledger (`miles audit`): {audit_line(summary['audit'])}",
-    ])
-    create_markdown_artifact(md, key=artifact_key(cfg.name, summary["run_id"], "summary"),
-                             description=f"{cfg.name} summary")
-
-
-def _link(url: str) -> str:
-    """A markdown link to a run file: ``file://`` for a local folder, the URL itself otherwise."""
-    href = url if "://" in url else "file://" + os.path.abspath(url)
-    return f"[{url}]({href})"

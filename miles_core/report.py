@@ -7,12 +7,16 @@
   datasets, a line per dataset).
 - ``data_url(png)``: the image as a ``data:`` URL, which a Prefect image artifact shows in the UI
   without any file server (the run folder may be on S3 or on another machine).
+- ``summary_markdown(name, summary, curves)``: a finished run's summary, as its markdown artifact
+  shows it; ``artifact_key(...)``: a Prefect artifact key from a run's name, id, ...
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,3 +70,38 @@ def run_curves(metrics_rows: Sequence[Mapping[str, Any]], eval_rows: Sequence[Ma
 
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes) from a run's name, id, ...:
+    ``artifact_key("Toy_Addition", "20261204-101502-ab12", "metrics")`` ->
+    ``toy-addition-20261204-101502-ab12-metrics``."""
+    return "-".join(re.sub(r"[^a-z0-9]+", "-", part.lower()).strip("-") for part in parts if part)
+
+
+def summary_markdown(name: str, summary: Mapping[str, Any], curves: str) -> str:
+    """Run ``name``'s summary (``RunSession.summary`` with its ``audit``) in markdown: held-out
+    accuracy before and after, and links to its folder, metrics, curves, samples and weights."""
+    from miles_core.ledger import audit_line
+
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    return "\n".join([
+        f"# Run `{summary['run_id']}` ({name})",
+        "",
+        "| held-out accuracy | value |", "|---|---|",
+        f"| before training | {fmt(before)} |", f"| after {summary['steps']} steps | {fmt(after)} |",
+        "",
+        f"- run folder: {_link(summary['run_dir'])}",
+        f"- metrics: {_link(summary['metrics'])}, evaluations: {_link(summary['eval'])}, curves: {_link(curves)}",
+        f"- samples: {_link(summary['samples'])}",
+        f"- weights: {_link(summary['weights'])} (latest version {summary['final_version']})",
+        f"- wall time: {summary['seconds']} s",
+        f"- prompt ledger (`miles audit`): {audit_line(summary['audit'])}",
+    ])
+
+
+def _link(url: str) -> str:
+    """A markdown link to a run file: ``file://`` for a local folder, the URL itself otherwise."""
+    href = url if "://" in url else "file://" + os.path.abspath(url)
+    return f"[{url}]({href})"

@@ -74,6 +74,13 @@ def evaluate_version(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> 
         return get_session(cfg, refs).evals.evaluate_version(step, version)
 
 
+@task(name="reserve-evaluation", cache_policy=NO_CACHE, task_run_name="reserve-v{version}-for-eval-{step}")
+def reserve_evaluation(cfg: RunConfig, refs: RunRefs, step: int, version: int) -> None:
+    """Pin weights ``version`` for the evaluation after ``step`` as it is scheduled: retention keeps
+    it until that evaluation has loaded it (``evaluate-version`` unpins it)."""
+    get_session(cfg, refs).evals.reserve(step, version)
+
+
 @task(name="save-checkpoint", cache_policy=NO_CACHE, task_run_name="save-checkpoint-step-{step}")
 def save_checkpoint(cfg: RunConfig, refs: RunRefs, step: int, rollout_ref: RolloutRef | None) -> str:
     """Save the run after ``step`` steps (``rollout_ref``: that step's rollout; None in a fully-async run)."""
@@ -102,10 +109,12 @@ def stop_run(cfg: RunConfig, refs: RunRefs, done: int, rollout_ref: RolloutRef |
 
 @task(name="finish-run", cache_policy=NO_CACHE, task_run_name="finish-run")
 def finish_run(cfg: RunConfig, refs: RunRefs, start: int, seconds: float) -> tuple[dict, str, bytes]:
-    """End the run: its summary with the prompt ledger's audit (``summary.json``) and its reward and
-    held-out accuracy curves (``curves.png``); returns the summary, the curves' URL and the PNG (the
-    flow's final curves artifact, so they are drawn once)."""
-    from miles_core.report import run_curves
+    """End the run: its summary with the prompt ledger's audit (``summary.json`` and a markdown
+    artifact) and its reward and held-out accuracy curves (``curves.png``); returns the summary, the
+    curves' URL and the PNG (the flow's final curves artifact, so they are drawn once)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from miles_core.report import artifact_key, run_curves, summary_markdown
 
     session = get_session(cfg, refs)
     summary = session.summary(start, seconds)
@@ -113,4 +122,7 @@ def finish_run(cfg: RunConfig, refs: RunRefs, start: int, seconds: float) -> tup
     session.finish(summary)
     rows, evals = session.history.metrics_rows, session.history.eval_rows
     png = run_curves(rows, evals, f"{cfg.name}: step {rows[-1]['step'] if rows else 0}/{cfg.rollout.num_rollout}")
-    return summary, session.layout.write_bytes("curves.png", png), png
+    curves = session.layout.write_bytes("curves.png", png)
+    create_markdown_artifact(summary_markdown(cfg.name, summary, curves),
+                             key=artifact_key(cfg.name, refs.run_id, "summary"), description=f"{cfg.name} summary")
+    return summary, curves, png
