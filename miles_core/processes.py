@@ -13,6 +13,7 @@ Linux reads ``/proc``; elsewhere there is no start time to compare, and ``alive`
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -71,7 +72,6 @@ def die_with_parent() -> None:
     """Linux: the kernel sends this process SIGKILL when the thread that started it dies."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
@@ -81,6 +81,36 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, their children, and so on (Linux, from ``/proc``; elsewhere none)."""
+    if not _PROC.is_dir():
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and len(fields) > 1:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))  # after the state: the parent
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process under it, and reap ``proc``. For a hung process: what it
+    started (an engine server) would watch for its parent's death, but cannot if it hangs too."""
+    for pid in descendants(proc.pid):  # read before the kill: the orphans' parent is init after it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait(10)
 
 
 def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:

@@ -263,15 +263,13 @@ class SubprocessLauncher:
             proc.wait(timeout)
             return False
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            processes.kill_tree(proc)  # its engine server too
             return True
 
     def abandon(self, producer: str, reason: str) -> None:
         proc = self.procs.get(producer)
         if proc is not None and proc.poll() is None:
-            proc.kill()  # a hung producer: its fence stops it counting, this stops it running
-            proc.wait(10)
+            processes.kill_tree(proc)  # a hung producer (and its engine server): its fence stops it counting
 
     def cancel(self, producer: str) -> None:
         proc = self.procs.get(producer)

@@ -57,7 +57,7 @@ def _freeze(tmp_path: Path, after_steps: int, seconds: float | None, witness: di
     def run() -> None:
         wait_for(lambda: _steps(tmp_path) >= after_steps, 300, f"{after_steps} steps", poll=0.05)
         server = _server()
-        witness["frozen_at_step"] = _steps(tmp_path)
+        witness["frozen_at_step"], witness["server"] = _steps(tmp_path), server
         server.send_signal(signal.SIGSTOP)
         if seconds is None:
             return
@@ -149,8 +149,17 @@ def test_a_fully_async_producer_whose_engine_froze_for_good_is_replaced(prefect_
     cfg = _cfg(tmp_path, tiny_model_dir, "fully_async", health_timeout_s=3.0, request_timeout_s=20.0)
     witness: dict = {}
     freezer = _freeze(tmp_path, 2, None, witness)
-    state = train(cfg, return_state=True)
-    freezer.join(30)
+    try:
+        state = train(cfg, return_state=True)
+        freezer.join(30)
+        # the dead producer was killed with the engine server it started (frozen, that server could
+        # not notice its parent's death by itself)
+        server = witness["server"]
+        wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, 30,
+                 f"the frozen engine server {server.pid} of the dead producer to be gone")
+    finally:
+        if "server" in witness and witness["server"].is_running():
+            witness["server"].kill()
     assert state.is_completed(), state
     assert witness["frozen_at_step"] >= 2 and _steps(tmp_path) == 8
     from miles_core.rollout.fleet import ControlPlane
