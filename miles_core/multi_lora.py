@@ -47,7 +47,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import traceback
 from dataclasses import asdict
 from typing import Any
 
@@ -327,11 +326,11 @@ class MultiLoraRun:
         """Every adapter's version now (stamped on the samples of a group when it starts)."""
         return {name: session.engine.weight_version for name, session in self.adapters.items()}
 
-    def build_producer(self) -> RolloutProducer:
+    def build_producer(self, link) -> RolloutProducer:
         """The run's producer: prompts claimed from the prompt log, one route per generating policy,
         no weight polling (each adapter pushes its own versions), back-pressure from ``live_cursor``."""
         from miles_core.rollout.producer import PolicyRoute
-        from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
+        from miles_core.rollout.worker import ClaimedPrompts
 
         ml = self.cfg.multi_lora
         if ml.rollout_source == "per_adapter":
@@ -351,9 +350,6 @@ class MultiLoraRun:
         self.prompts = ClaimedPrompts(self.prompt_log, self.producer_id, self.rollouts.render_rows,
                                       a.prompt_claim_size)
         pid = self.producer_id
-        # stopped through the run's control plane like a fleet member (``stop_producer``), beating its
-        # heartbeat to fleet/producers/<id>.json
-        link = ProducerLink(self.control, Heartbeat(pid, "running"), a.producer_heartbeat_s)
         self.producer = self.rollouts.producer(
             self.prompts, self.stream_of(pid), None, link=link, consumer=self.live_cursor, routes=routes,
             capacity=capacity,
@@ -365,31 +361,21 @@ class MultiLoraRun:
     def run_producer(self) -> dict[str, Any]:
         """Run the producer until ``stop_producer``; a producer that fails says so in its heartbeat
         (with its error and traceback) for ``check_producer``."""
-        link = None
+        from miles_core.rollout.worker import ProducerLink
+
+        # stopped through the run's control plane like a fleet member, beating fleet/producers/<id>.json
+        link = ProducerLink(self.control, Heartbeat(self.producer_id, "running"), self.cfg.mode.producer_heartbeat_s)
         try:
-            producer = self.producer or self.build_producer()  # stopped before it began: its first poll stops it
-            link = producer.link
+            producer = self.build_producer(link)  # stopped before it began: its first poll stops it
             try:
                 stats = asdict(self.loop.run(producer.run()))
             finally:  # what it claimed and never started or finished goes back to the pool
-                self._release_unstarted(producer)
+                _release_unstarted(self.prompts, producer, self.producer_id)
         except Exception as e:
-            said = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            if link is None:
-                self.control.beat(Heartbeat(self.producer_id, "failed", **said))
-            else:
-                link.beat(status="failed", outstanding=0, in_engine=0, **said)
+            link.fail(e)
             raise
         link.beat(status="stopped", stats=stats, outstanding=0, in_engine=0)
         return stats
-
-    def _release_unstarted(self, producer: RolloutProducer) -> None:
-        try:
-            self.prompts.release_own({**self.prompts.unstarted(), **producer.abandoned_groups},
-                                     reason=f"producer {self.producer_id} stopped")
-        except Exception as e:  # noqa: BLE001 (the next start gives them back: it fences this producer)
-            log.warning("producer %s could not give back its unstarted prompts (%s: %s); the run's next start "
-                        "will", self.producer_id, type(e).__name__, e)
 
     def stop_producer(self) -> None:
         """The run's stop in its control plane: the producer stops at its next look."""
@@ -522,6 +508,14 @@ class MultiLoraRun:
         self.rollouts.close()
         self.loop.close()
         self.trackers.close(ok=False)  # nothing when finish closed them
+
+
+def _release_unstarted(prompts, producer: RolloutProducer, producer_id: str) -> None:
+    try:
+        prompts.release_own({**prompts.unstarted(), **producer.abandoned_groups}, reason=f"producer {producer_id} stopped")
+    except Exception as e:  # noqa: BLE001 (the next start gives them back: it fences this producer)
+        log.warning("producer %s could not give back its unstarted prompts (%s: %s); the run's next start will",
+                    producer_id, type(e).__name__, e)
 
 
 def _start_of(producer: str) -> int | None:

@@ -132,6 +132,11 @@ class ProducerLink:
                 setattr(self.hb, key, value)
             self.control.beat(self.hb)
 
+    def fail(self, error: BaseException) -> None:
+        """Say ``failed``, with ``error`` and its traceback (call it in the ``except`` that caught it)."""
+        self.beat(status="failed", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(),
+                  outstanding=0, in_engine=0)
+
     def beat_while_starting(self) -> threading.Event:
         """Beat ``starting`` from a thread until the producer's loop beats by itself (loading an
         engine can take minutes); set the returned event to end it early."""
@@ -192,8 +197,7 @@ def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cance
             raise
     except Exception as e:
         starting.set()
-        link.beat(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
-                  outstanding=0, in_engine=0)
+        link.fail(e)
         raise
     finally:
         starting.set()

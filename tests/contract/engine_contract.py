@@ -425,10 +425,11 @@ class EngineContract:
 
 
 class UnseenProgress:
-    """Mix in before ``EngineContract`` for a server whose progress a test cannot read (vLLM's
-    ``/metrics`` stay at 0 under the launcher's settings; a real SGLang server serves them only with
-    ``--enable-metrics``): ``until`` then waits ``progress_s``, long enough for calls to reach the
-    server and for running requests to sample a token."""
+    """Mix in before ``EngineContract`` for a server whose progress a test cannot read (a real SGLang
+    server serves its metrics only with ``--enable-metrics``): ``until`` then waits ``progress_s``,
+    long enough for calls to reach the server and for running requests to sample a token. vLLM's
+    ``/metrics`` count first tokens and requests in or through its scheduler, but not the requests
+    a paused vLLM holds (``tests/integration/test_engine_vllm.py``)."""
 
     progress_s = 0.2
 

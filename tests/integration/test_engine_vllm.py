@@ -14,7 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from contract.engine_contract import PROMPTS, EngineContract, UnseenProgress, build_server_model, requests
+import httpx
+from contract.engine_contract import PROMPTS, Counts, EngineContract, UnseenProgress, build_server_model, requests
 
 from waiting import wait_for
 
@@ -59,11 +60,35 @@ async def restore(server, model_dir: str) -> None:
     await eng.close()
 
 
-class TestVLLMEngineContract(UnseenProgress, EngineContract):
+def _metric(text: str, name: str) -> float:
+    """The sum of Prometheus metric ``name`` over its label sets, in ``/metrics`` text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+class TestVLLMEngineContract(EngineContract):
+    progress_s = UnseenProgress.progress_s
     truncation_renormalises_logprobs = True  # vLLM's processed_logprobs: see miles_core/engines/vllm.py
     logprob_atol = 2e-4
     """vLLM's CPU kernels (its own attention, fused ops) differ from a transformers forward in the
     last float32 bits; measured differences stay below 1e-5 on this model."""
+
+    async def counts(self, engine) -> Counts:
+        """From vLLM's ``/metrics``: requests finished (for any reason) or in its scheduler, and
+        first tokens (its time-to-first-token histogram's count)."""
+        async with httpx.AsyncClient(timeout=10) as http:
+            text = (await http.get(f"{engine.url}/metrics")).text
+        received = sum(_metric(text, f"vllm:{name}") for name in
+                       ("request_success_total", "num_requests_running", "num_requests_waiting"))
+        return Counts(int(received), int(_metric(text, "vllm:time_to_first_token_seconds_count")))
+
+    async def until(self, engine, received: int = 0, first_tokens: int = 0, timeout: float = 30) -> None:
+        """As the contract's, except that a paused vLLM counts the requests it holds nowhere: those
+        are given ``UnseenProgress.progress_s`` to arrive."""
+        if engine._paused and received:
+            await UnseenProgress.until(self, engine)
+            received = 0
+        await super().until(engine, received, first_tokens, timeout)
 
     @pytest.fixture
     def engine(self, server, tiny_model_dir):
