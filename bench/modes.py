@@ -125,7 +125,8 @@ def summarise(result: dict, args: argparse.Namespace) -> dict:
     if result["mode"].startswith("fully_async"):
         # the producer's throughput while it generates (its idle share is time held back by the
         # buffer bound, not generation), turned into seconds per batch
-        busy_qps = [r["async/producer_throughput_qps"] / max(1e-3, 1 - r["async/producer_idle_fraction"]) for r in rows]
+        busy_qps = [r["async/producer_throughput_qps"] / max(1e-3, 1 - r["async/producer_idle_fraction"]) for r in rows
+                    if "async/producer_throughput_qps" in r]
         qps = statistics.median(busy_qps)
         rollout = samples / qps if qps > 0 else float("nan")
     else:

@@ -75,7 +75,8 @@ def _step_line(step: int, total: int, row: dict[str, Any]) -> str:
     if "rollout_seconds" in row:
         line += f" | gen {row['rollout_tokens_per_s']:,.0f} tok/s | rollout {row['rollout_seconds']:.1f}s"
     else:  # fully async: the producer's side
-        line += f" | producer {row.get('async/producer_throughput_qps', 0.0):,.2f} samples/s"
+        qps = row.get("async/producer_throughput_qps")
+        line += " | producer starting" if qps is None else f" | producer {qps:,.2f} samples/s"
     line += f" | train {row['train_seconds']:.1f}s"
     if "push_seconds" in row:  # fully async: the producers load new weights themselves
         line += f" push {row['push_seconds']:.2f}s"

@@ -223,6 +223,8 @@ class RolloutProducer:
         self.backlog = Backlog(stream, consumer, _capacity(cfg, capacity), self.acfg, self.stats)
         self.door = EngineDoor()
         self._stop = threading.Event()
+        self._started: float | None = None
+        """When ``run`` began (None before and after it)."""
         self.sampler = Sampler(gen, self.n, self.acfg, self.door, self._stop, self.stats)
         self.weight_follower = WeightFollower(weights, gen.engine, self.door, self.acfg, self.stats)
         self._init_loop_state()
@@ -250,7 +252,7 @@ class RolloutProducer:
     async def run(self) -> ProducerStats:
         """Produce until the control plane says stop. Raises what broke the producer (after writing its state)."""
         self.scheduler = SlotScheduler(self.acfg.max_concurrent_samples)
-        started = time.monotonic()
+        self._started = started = time.monotonic()
         self._load_state()
         await asyncio.to_thread(self._resume_partial_groups)
         try:
@@ -275,7 +277,7 @@ class RolloutProducer:
             await asyncio.to_thread(self._save_state, "failed", _describe(e))
             raise
         finally:
-            self.stats.run_seconds = time.monotonic() - started
+            self.stats.run_seconds, self._started = time.monotonic() - started, None
             self.stats_now()  # the idle time and peak in flight of the whole run
             for work in list(self._works):
                 for task in work.tasks:
@@ -424,6 +426,8 @@ class RolloutProducer:
         if self.scheduler is not None:
             self.stats.idle_seconds = self.scheduler.idle_seconds()
             self.stats.peak_in_flight = self.scheduler.peak
+        if self._started is not None:  # running
+            self.stats.run_seconds = time.monotonic() - self._started
         return self.stats
 
     # ----------------------------------------------------------------- state, restarts and stop
@@ -523,11 +527,11 @@ class ProducerMeter:
 
     def __init__(self, producer: Callable[[], RolloutProducer | None]) -> None:
         self.producer = producer
-        self._meter = ThroughputMeter(from_zero=True)
+        self._meter = ThroughputMeter()
 
     def __call__(self) -> dict[str, float]:
         producer = self.producer()
         if producer is None:
             return {}
         in_flight = producer.scheduler.in_flight if producer.scheduler is not None else 0
-        return self._meter([asdict(producer.stats_now())], in_flight)
+        return self._meter({"producer": asdict(producer.stats_now())}, in_flight)

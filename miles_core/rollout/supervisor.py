@@ -251,13 +251,14 @@ class Fleet:
     # ---------------------------------------------------------------------------- metrics
 
     def metrics(self) -> dict[str, float]:
-        """Fleet throughput and idle share since the last call (from the producers' heartbeats)."""
+        """The running producers' throughput and idle share (``ThroughputMeter``, from their heartbeats)."""
         with self._lock:
-            beats, alive = self.monitor.heartbeats(), max(len(self.monitor.alive), 1)
-        stats = [hb.stats for hb in beats.values() if hb.stats]
+            beats, alive = self.monitor.heartbeats(), list(self.monitor.alive)
+        running = {p: beats[p].stats for p in alive if p in beats and beats[p].stats
+                   and beats[p].status not in ("stopped", "failed")}
         return {
-            **self._meter(stats, sum(hb.in_engine for hb in beats.values()), alive),
-            "async/producers_alive": float(alive),
+            **self._meter(running, sum(beats[p].in_engine for p in alive if p in beats)),
+            "async/producers_alive": float(len(alive)),
             "async/producer_deaths": float(len(self.deaths)),
         }
 

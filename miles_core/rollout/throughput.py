@@ -3,15 +3,14 @@
 - ``ProducerStats``: what a producer counts over its life (its heartbeat and its state file carry
   them as a dict).
 - ``ThroughputMeter``: the one place the ``async/producer_*`` metrics are computed: throughput and
-  idle share since the last call, from the counters of one producer in the trainer's process
-  (``producer.ProducerMeter``) or of a fleet's producers, read from their heartbeats
-  (``supervisor.Fleet.metrics``).
+  idle share, each producer's on its own clock, from the counters of one producer in the trainer's
+  process (``producer.ProducerMeter``) or of a fleet's running producers, read from their
+  heartbeats (``supervisor.Fleet.metrics``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,32 +35,46 @@ class ProducerStats:
     backpressure_seconds: float = 0.0
     idle_seconds: float = 0.0
     run_seconds: float = 0.0
+    """Since the producer started (up to its latest counters)."""
     peak_in_flight: int = 0
 
 
 class ThroughputMeter:
-    """Producer metrics since the last call. ``from_zero``: the first call counts from when the meter
-    was made and from no sample (a producer made after it); else the first call only sets the
-    baseline (producers whose counters began earlier, such as a restarted run's)."""
+    """Producer metrics as of each producer's newest counters. Each producer's throughput and idle
+    share are measured on its own clock (``run_seconds``) between the counters the meter saw last
+    and the ones it sees now; a producer whose counters have not moved since (its next heartbeat
+    is not out yet) keeps the rate it had, so a trainer's step shorter than a heartbeat reads no
+    false 0 and the next no burst. A producer first seen counts from its start (counters at 0).
+    Until some producer's counters have moved, there is no throughput or idle share to report."""
 
-    def __init__(self, from_zero: bool = False) -> None:
-        self._seen: tuple[float, int, float] | None = (time.monotonic(), 0, 0.0) if from_zero else None
+    min_span_s = 0.5
+    """A producer's counters are read again only once its clock moved this far since the last read."""
 
-    def __call__(self, stats: Sequence[dict[str, Any]], in_flight: float, producers: int = 1) -> dict[str, float]:
-        """``stats``: each producer's ``ProducerStats`` as a dict; ``in_flight``: their samples in
-        flight now; ``producers``: how many share the idle time (the idle share is an average)."""
-        now = time.monotonic()
-        finished = sum(s.get("samples_finished", 0) for s in stats)
-        idle = sum(s.get("idle_seconds", 0.0) for s in stats)
-        t_prev, finished_prev, idle_prev = self._seen or (now, finished, idle)
-        self._seen = (now, finished, idle)
-        span = max(now - t_prev, 1e-9)
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, int, float]] = {}
+        self._rates: dict[str, tuple[float, float]] = {}
+
+    def __call__(self, stats: Mapping[str, dict[str, Any]], in_flight: float) -> dict[str, float]:
+        """``stats``: each running producer's ``ProducerStats`` (as a dict) by its name; ``in_flight``:
+        their samples in flight now."""
+        for name, s in stats.items():
+            now = (s.get("run_seconds", 0.0), s.get("samples_finished", 0), s.get("idle_seconds", 0.0))
+            t_prev, finished_prev, idle_prev = self._seen.get(name, (0.0, 0, 0.0))
+            if now[0] - t_prev >= self.min_span_s:  # (a rate over a few ms says nothing)
+                span = now[0] - t_prev
+                self._rates[name] = ((now[1] - finished_prev) / span, min(1.0, max(0.0, (now[2] - idle_prev) / span)))
+                self._seen[name] = now
+        rates = [self._rates[name] for name in stats if name in self._rates]
+        values = list(stats.values())
+        measured = {} if not rates else {  # none before a producer's counters first move
+            "async/producer_throughput_qps": sum(qps for qps, _ in rates),
+            "async/producer_idle_fraction": sum(idle for _, idle in rates) / len(rates),
+        }
         return {
-            "async/producer_throughput_qps": (finished - finished_prev) / span,
-            "async/producer_idle_fraction": min(1.0, max(0.0, (idle - idle_prev) / span / max(producers, 1))),
+            **measured,
             "async/in_flight_samples": float(in_flight),
-            "async/weight_updates": float(sum(s.get("weight_updates", 0) for s in stats)),
-            "async/groups_filtered": float(sum(sum(s.get("groups_filtered", {}).values()) for s in stats)),
-            "async/samples_failed": float(sum(s.get("samples_failed", 0) for s in stats)),
-            "async/generation_errors": float(sum(s.get("generation_errors", 0) for s in stats)),
+            "async/weight_updates": float(sum(s.get("weight_updates", 0) for s in values)),
+            "async/groups_filtered": float(sum(sum(s.get("groups_filtered", {}).values()) for s in values)),
+            "async/samples_failed": float(sum(s.get("samples_failed", 0) for s in values)),
+            "async/generation_errors": float(sum(s.get("generation_errors", 0) for s in values)),
         }

@@ -381,3 +381,27 @@ def test_a_resumed_feed_trains_each_remaining_group_once(tmp_path):
     assert resumed.totals["done_before"] == 2
     resumed.commit()
     assert s0.reader("trainer").cursor == 1
+
+
+def test_producer_throughput_is_measured_on_each_producers_own_clock():
+    """Trainer steps shorter than a heartbeat see the same counters twice: the rate stays what it
+    was (no false 0), and the next heartbeat gives the rate since the last one (no burst)."""
+    from miles_core.rollout.throughput import ThroughputMeter
+
+    meter = ThroughputMeter()
+    for just_started in (0.0, 0.01):  # not measured yet: no time, or too little to say anything
+        assert "async/producer_throughput_qps" not in meter({"p0": {"run_seconds": just_started}}, in_flight=0)
+
+    def stats(run_s: float, finished: int, idle_s: float = 0.0) -> dict:
+        return {"run_seconds": run_s, "samples_finished": finished, "idle_seconds": idle_s}
+
+    first = meter({"p0": stats(2.0, 40, 0.5)}, in_flight=3)
+    assert first["async/producer_throughput_qps"] == 20.0 and first["async/producer_idle_fraction"] == 0.25
+    assert first["async/in_flight_samples"] == 3.0
+    again = meter({"p0": stats(2.0, 40, 0.5)}, in_flight=3)  # no heartbeat since
+    assert again["async/producer_throughput_qps"] == 20.0
+    later = meter({"p0": stats(4.0, 100, 0.5), "p1": stats(1.0, 10, 1.0)}, in_flight=0)
+    assert later["async/producer_throughput_qps"] == 30.0 + 10.0  # p0: 60 samples in 2 s; p1 from its start
+    assert later["async/producer_idle_fraction"] == (0.0 + 1.0) / 2
+    gone = meter({"p1": stats(1.0, 10, 1.0)}, in_flight=0)  # p0 stopped: it no longer counts
+    assert gone["async/producer_throughput_qps"] == 10.0
