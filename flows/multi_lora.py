@@ -134,7 +134,11 @@ def train_multi_lora(cfg: RunConfig) -> dict[str, Any]:
             try:
                 states = _run_adapters(cfg, refs, starts, log)
             finally:  # the producer stops before the run's slots go
-                stop_producer(c, r)
+                try:
+                    stop_producer(c, r)
+                except Exception as e:  # noqa: BLE001 (the adapters' own error, if any, is the one raised)
+                    log.error("could not stop the producer through the run's control plane (%s: %s); waiting for "
+                              "it 120 s, then the run's end stops its engine under it", type(e).__name__, e)
                 producer.wait(timeout=120)
         if stop_requested():  # asked to stop: Cancelled, with where each adapter can resume from
             text, step = stop_run(c, r)

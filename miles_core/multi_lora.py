@@ -27,7 +27,7 @@
   holds the others back by at most the buffer bound, and one that finished or failed no longer does.
 - ``mark_finished(name, error)``: an adapter leaves the run (done, or failed: the others go on).
 - The run's end: ``summary`` (with each adapter's line, ``AdapterSession.summary``), ``finish``
-  (``summary.json`` and its markdown ``report``, ``adapters.md``) and ``write_curves``; a stop:
+  (``summary.json`` and its markdown ``report``, ``adapters.md``) and ``write_curves(run, summary)``; a stop:
   ``stop_note`` (the run's) and ``AdapterSession.stop_note`` (an adapter's, checkpointed there).
   ``adapter_history`` reads an adapter's history from its files (its subflow's live report).
 - Resuming: the producer takes its prompts from the run's prompt log (``fleet/claims/``, as a
@@ -243,6 +243,7 @@ class MultiLoraRun:
         self._recycle_log = PromptLog(refs.run_dir, opts, retry=retry)
         self._recycle_lock = threading.Lock()
         self._checked_at, self._check_lock = -float("inf"), threading.Lock()
+        self._ended: BaseException | None = None
         if cfg.multi_lora.shared_base and not self.shares_base:
             log.info("multi_lora.shared_base needs the torch trainer backend: each adapter gets its own trainer "
                      "and copy of the base")
@@ -294,6 +295,7 @@ class MultiLoraRun:
         settled = settle_earlier(monitor, self.files.stream, sorted(earlier, key=_start_of), self.producer_id)
         self.earlier = dict(monitor.fences)
         self.control.clear_stop()  # the stop that ended an earlier start
+        self.control.beat(Heartbeat(self.producer_id, "starting"))  # not an earlier start's heartbeat of the name
         return settled
 
     def producer_names(self) -> list[str]:
@@ -371,8 +373,10 @@ class MultiLoraRun:
                 stats = asdict(self.loop.run(producer.run()))
             finally:  # what it claimed and never started or finished goes back to the pool
                 _release_unstarted(self.prompts, producer, self.producer_id)
-        except Exception as e:
-            link.fail(e)
+        except BaseException as e:
+            self._ended = e  # for check_producer if the heartbeat cannot say it (storage down too)
+            if isinstance(e, Exception):
+                link.fail(e)
             raise
         link.beat(status="stopped", stats=stats, outstanding=0, in_engine=0)
         return stats
@@ -383,8 +387,8 @@ class MultiLoraRun:
 
     def check_producer(self, now: bool = False) -> None:
         """Raise ``ProducerFailed`` (its error and traceback) if the producer's heartbeat says it
-        failed. Every adapter's feed calls this for every batch and as it waits: the heartbeat is
-        read at most once a second unless ``now``."""
+        failed, or it ended with an error the heartbeat could not be told. Every adapter's feed calls
+        this for every batch and as it waits: the heartbeat is read at most once a second unless ``now``."""
         with self._check_lock:
             t = time.monotonic()
             if not now and t - self._checked_at < 1.0:
@@ -394,6 +398,9 @@ class MultiLoraRun:
         if hb is not None and hb.status == "failed":
             raise ProducerFailed(f"the run's producer {self.producer_id} failed: {hb.error}\n{hb.traceback or ''}"
                                  f"(its heartbeat: {self.control.files.url(f'producers/{self.producer_id}.json')})")
+        if self._ended is not None:  # it ended with an error its heartbeat does not hold
+            raise ProducerFailed(f"the run's producer {self.producer_id} ended: {type(self._ended).__name__}: "
+                                 f"{self._ended}") from self._ended
 
     # -- adapters
 
@@ -472,26 +479,6 @@ class MultiLoraRun:
         self.layout.write_text("adapters.md", report(self.cfg, summary))
         self.trackers.close(ok=not self.failed)
 
-    def write_curves(self, summary: dict[str, Any]) -> list[tuple[bytes, str, str]]:
-        """Each adapter's reward and held-out accuracy per step (``adapters/<name>/curves.png``) and
-        every adapter's side by side (``curves.png``): (the PNG, its URL, what it shows) of each."""
-        from miles_core.report import curves_png, reward_points, run_curves
-
-        written, reward = [], {}
-        for name, session in self.adapters.items():
-            rows = session.history.metrics_rows
-            png = run_curves(rows, session.history.eval_rows, f"{self.cfg.name}: adapter {name}")
-            written.append((png, session.layout.write_bytes("curves.png", png),
-                            f"adapter {name}, reward and held-out accuracy per step"))
-            reward[name] = reward_points(rows)
-        if len(reward) > 1 and len({tuple(points) for points in reward.values()}) == 1:
-            # shared rollouts: every adapter trained on the same base-generated batches, one line says it
-            reward = {"every adapter (shared rollouts)": next(iter(reward.values()))}
-        before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
-        accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
-        png = curves_png(reward, accuracy, f"{self.cfg.name}: every adapter")
-        return [*written, (png, self.layout.write_bytes("curves.png", png), "every adapter side by side")]
-
     def stop_note(self) -> tuple[str, int | None]:
         """What a stopped run says, and the step it resumes from: each adapter's newest checkpoint."""
         text = f"multi-LoRA run {self.refs.run_id} stopped, as asked"
@@ -508,6 +495,27 @@ class MultiLoraRun:
         self.rollouts.close()
         self.loop.close()
         self.trackers.close(ok=False)  # nothing when finish closed them
+
+
+def write_curves(run: MultiLoraRun, summary: dict[str, Any]) -> list[tuple[bytes, str, str]]:
+    """Each adapter's reward and held-out accuracy per step (``adapters/<name>/curves.png``) and
+    every adapter's side by side (``curves.png``): (the PNG, its URL, what it shows) of each."""
+    from miles_core.report import curves_png, reward_points, run_curves
+
+    written, reward = [], {}
+    for name, session in run.adapters.items():
+        rows = session.history.metrics_rows
+        png = run_curves(rows, session.history.eval_rows, f"{run.cfg.name}: adapter {name}")
+        written.append((png, session.layout.write_bytes("curves.png", png),
+                        f"adapter {name}, reward and held-out accuracy per step"))
+        reward[name] = reward_points(rows)
+    if len(reward) > 1 and len({tuple(points) for points in reward.values()}) == 1:
+        # shared rollouts: every adapter trained on the same base-generated batches, one line says it
+        reward = {"every adapter (shared rollouts)": next(iter(reward.values()))}
+    before = [(0, summary["accuracy_before"])] if summary["accuracy_before"] is not None else []
+    accuracy = {a["name"]: before + [tuple(p) for p in a["curve"]] for a in summary["adapters"]}
+    png = curves_png(reward, accuracy, f"{run.cfg.name}: every adapter")
+    return [*written, (png, run.layout.write_bytes("curves.png", png), "every adapter side by side")]
 
 
 def _release_unstarted(prompts, producer: RolloutProducer, producer_id: str) -> None:

@@ -104,11 +104,13 @@ def descendants(pid: int) -> list[int]:
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc`` and every process under it, and reap ``proc``. For a hung process: what it
     started (an engine server) would watch for its parent's death, but cannot if it hangs too."""
-    for pid in descendants(proc.pid):  # read before the kill: the orphans' parent is init after it
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    found = [(pid, identity(pid)) for pid in descendants(proc.pid)]  # before the kill: then init is their parent
+    for pid, known_as in found:
+        if known_as is not None and alive(pid, known_as):  # not a later process given a pid that ended
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     proc.kill()
     proc.wait(10)
 

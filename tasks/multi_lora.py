@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
 from miles_core.ledger import audit_at_end
-from miles_core.multi_lora import get_multi_lora_run, report
+from miles_core.multi_lora import get_multi_lora_run, report, write_curves
 from miles_core.run import RunRefs, TrainRef
 from tasks.slots import device_slots
 
@@ -130,6 +130,6 @@ def finish_run(cfg: RunConfig, refs: RunRefs, seconds: float) -> dict:
     columns = ("name", "status", "lr", "lora_rank", "steps", "final_version", "accuracy_before", "accuracy_after", "error")
     create_table_artifact([{k: a[k] for k in columns} for a in summary["adapters"]], key=None,
                           description=f"{cfg.name}: adapters")
-    for png, url, what in run.write_curves(summary):
+    for png, url, what in write_curves(run, summary):
         create_image_artifact(data_url(png), key=None, description=f"{cfg.name}: {what} (also {url})")
     return summary

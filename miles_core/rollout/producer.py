@@ -426,8 +426,9 @@ class RolloutProducer:
         if self.scheduler is not None:
             self.stats.idle_seconds = self.scheduler.idle_seconds()
             self.stats.peak_in_flight = self.scheduler.peak
-        if self._started is not None:  # running
-            self.stats.run_seconds = time.monotonic() - self._started
+        started = self._started
+        if started is not None:  # running
+            self.stats.run_seconds = time.monotonic() - started
         return self.stats
 
     # ----------------------------------------------------------------- state, restarts and stop
