@@ -36,7 +36,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from miles_core.storage.fs import join, open_fs, read_bytes
+from miles_core.storage.fs import is_missing_bucket, join, open_fs, read_bytes
 
 if TYPE_CHECKING:
     from miles_core.rollout.buffer import Rejected
@@ -95,7 +95,9 @@ def used_groups(run_dir: str, storage_options: dict[str, Any] | None = None) -> 
 def _steps_in(fs, folder: str) -> list[int]:
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if is_missing_bucket(e):
+            raise
         return []
     return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and n[5:-5].isdigit())
 

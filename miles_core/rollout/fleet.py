@@ -44,6 +44,7 @@ from miles_core.storage.fs import (
     RetryingFS,
     RetryPolicy,
     io_pool,
+    is_missing_bucket,
     join,
     list_after,
     list_tree,
@@ -115,7 +116,9 @@ class _Files:
     def names(self, folder: str, after: str | None = None) -> list[str]:
         try:
             return self.io.call(lambda: list_after(self.fs, self.path(folder), after), self.path(folder))
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if is_missing_bucket(e):
+                raise
             return []
 
     def tree(self, folder: str) -> list[str]:

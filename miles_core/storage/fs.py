@@ -195,7 +195,7 @@ def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
     try:
         return fs.cat_file(path)
     except FileNotFoundError as e:
-        if _is_missing_bucket(e):
+        if is_missing_bucket(e):
             raise
         return None
 
@@ -205,7 +205,7 @@ def list_names(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
     try:
         entries = fs.ls(folder, detail=False, refresh=True)
     except FileNotFoundError as e:
-        if _is_missing_bucket(e):
+        if is_missing_bucket(e):
             raise
         return []
     return [basename(e) for e in entries]
@@ -296,7 +296,7 @@ class BucketMissingError(FileNotFoundError):
     """The object store answered that the run's bucket does not exist."""
 
 
-def _is_missing_bucket(error: BaseException) -> bool:
+def is_missing_bucket(error: BaseException) -> bool:
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
@@ -453,7 +453,7 @@ class RetryingFS:
 def _reworded(error: Exception, what: str, fs: fsspec.AbstractFileSystem) -> Exception | None:
     """On S3, a missing bucket or a refused access as an error that names ``what``, the endpoint and
     what to check; None for any other error (raised as it is)."""
-    if is_s3(fs) and _is_missing_bucket(error):
+    if is_s3(fs) and is_missing_bucket(error):
         return _bucket_missing(what, fs, error)
     if is_s3(fs) and isinstance(error, PermissionError):
         return PermissionError(errno.EACCES, f"{what}: storage endpoint {endpoint_name(fs)} refused access "
@@ -491,7 +491,9 @@ def read_with_tag(fs: fsspec.AbstractFileSystem, path: str) -> tuple[bytes | Non
         bucket, key = _split_s3(fs, path)
         try:
             return fsspec.asyn.sync(fs.loop, _s3_get, fs, bucket, key)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if is_missing_bucket(e):
+                raise
             return None, None
     data = read_bytes(fs, path)
     return data, None if data is None else hashlib.sha256(data).hexdigest()
