@@ -77,6 +77,12 @@ def _stop(proc: subprocess.Popen, *signals: int, within: float) -> tuple[int, st
     return proc.returncode, _output(proc)[1], time.monotonic() - t0
 
 
+SETTLE_S = 45
+"""A run with producers stops after its step once they have settled what they had in flight (up to
+30 s by design, seconds when idle; 23 s was seen beside another test process): under the 60 s that
+``Fleet.stop`` would wait out for a producer that never says it stopped."""
+
+
 def _no_partial_segments(tmp_path: Path) -> None:
     partial = [p for p in (tmp_path / "runs").rglob("samples/**/*") if p.is_file() and p.suffix != ".arrow"
                and p.name != "_END"]
@@ -128,9 +134,9 @@ def test_sigterm_stops_a_fully_async_run_and_its_producers_with_a_checkpoint(tin
     proc = _miles_train(tmp_path, tiny_model_dir, *flags)
     session = _run_session(proc)
     wait_for(lambda: _steps(tmp_path) >= 3, 180, "three training steps")
-    code, err, seconds = _stop(proc, signal.SIGTERM, within=10)
+    code, err, seconds = _stop(proc, signal.SIGTERM, within=SETTLE_S)
     assert code == 143, err[-3000:]
-    assert seconds < 10, f"stopped after {seconds:.1f} s"
+    assert seconds < SETTLE_S, f"stopped after {seconds:.1f} s:\n{err[-3000:]}"
     done = _steps(tmp_path)
     assert f"as asked; checkpoint at step {done}" in err and "resume it with: miles train " in err, err[-3000:]
     assert not _left_in(session), _left_in(session)  # producers, their engines, the Prefect server
@@ -163,9 +169,9 @@ def test_sigterm_stops_a_multi_lora_run_with_a_checkpoint_of_each_adapter(tiny_m
         return min(len(f.read_text().splitlines()) for f in files) if len(files) == 2 else 0
 
     wait_for(lambda: adapter_steps() >= 2, 180, "two steps of each adapter")
-    code, err, seconds = _stop(proc, signal.SIGTERM, within=10)
+    code, err, seconds = _stop(proc, signal.SIGTERM, within=SETTLE_S)
     assert code == 143, err[-3000:]
-    assert seconds < 10, f"stopped after {seconds:.1f} s"
+    assert seconds < SETTLE_S, f"stopped after {seconds:.1f} s:\n{err[-3000:]}"
     assert "the adapters' checkpoints are at steps adapter-0 " in err, err[-3000:]
     assert "resume it with: miles train-multi-lora " in err, err[-3000:]
     run_dir = next((tmp_path / "runs").glob("*/*"))
