@@ -254,10 +254,10 @@ class Fleet:
         """The running producers' throughput and idle share (``ThroughputMeter``, from their heartbeats)."""
         with self._lock:
             beats, alive = self.monitor.heartbeats(), list(self.monitor.alive)
-        running = {p: beats[p].stats for p in alive if p in beats and beats[p].stats
-                   and beats[p].status not in ("stopped", "failed")}
+        stats = {p: hb.stats for p, hb in beats.items() if hb.stats}  # every producer's counters count
+        running = [p for p in alive if p in stats and beats[p].status not in ("stopped", "failed")]
         return {
-            **self._meter(running, sum(beats[p].in_engine for p in alive if p in beats)),
+            **self._meter(stats, sum(beats[p].in_engine for p in alive if p in beats), running),
             "async/producers_alive": float(len(alive)),
             "async/producer_deaths": float(len(self.deaths)),
         }

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,17 +54,21 @@ class ThroughputMeter:
         self._seen: dict[str, tuple[float, int, float]] = {}
         self._rates: dict[str, tuple[float, float]] = {}
 
-    def __call__(self, stats: Mapping[str, dict[str, Any]], in_flight: float) -> dict[str, float]:
-        """``stats``: each running producer's ``ProducerStats`` (as a dict) by its name; ``in_flight``:
-        their samples in flight now."""
-        for name, s in stats.items():
+    def __call__(self, stats: Mapping[str, dict[str, Any]], in_flight: float,
+                 running: Collection[str] | None = None) -> dict[str, float]:
+        """``stats``: each producer's ``ProducerStats`` (as a dict) by its name, whose counters are
+        summed; ``running``: those whose rates count (all by default: a stopped producer's counters
+        stay, its rate does not); ``in_flight``: their samples in flight now."""
+        running = stats.keys() if running is None else running
+        for name in running:
+            s = stats[name]
             now = (s.get("run_seconds", 0.0), s.get("samples_finished", 0), s.get("idle_seconds", 0.0))
             t_prev, finished_prev, idle_prev = self._seen.get(name, (0.0, 0, 0.0))
             if now[0] - t_prev >= self.min_span_s:  # (a rate over a few ms says nothing)
                 span = now[0] - t_prev
                 self._rates[name] = ((now[1] - finished_prev) / span, min(1.0, max(0.0, (now[2] - idle_prev) / span)))
                 self._seen[name] = now
-        rates = [self._rates[name] for name in stats if name in self._rates]
+        rates = [self._rates[name] for name in running if name in self._rates]
         values = list(stats.values())
         measured = {} if not rates else {  # none before a producer's counters first move
             "async/producer_throughput_qps": sum(qps for qps, _ in rates),

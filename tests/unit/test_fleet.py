@@ -403,5 +403,7 @@ def test_producer_throughput_is_measured_on_each_producers_own_clock():
     later = meter({"p0": stats(4.0, 100, 0.5), "p1": stats(1.0, 10, 1.0)}, in_flight=0)
     assert later["async/producer_throughput_qps"] == 30.0 + 10.0  # p0: 60 samples in 2 s; p1 from its start
     assert later["async/producer_idle_fraction"] == (0.0 + 1.0) / 2
-    gone = meter({"p1": stats(1.0, 10, 1.0)}, in_flight=0)  # p0 stopped: it no longer counts
-    assert gone["async/producer_throughput_qps"] == 10.0
+    failed = {**stats(4.0, 100, 0.5), "samples_failed": 3}
+    gone = meter({"p0": failed, "p1": stats(1.0, 10, 1.0)}, in_flight=0, running=["p1"])  # p0 stopped
+    assert gone["async/producer_throughput_qps"] == 10.0  # its rate no longer counts
+    assert gone["async/samples_failed"] == 3.0  # its counters do
