@@ -147,3 +147,51 @@ def test_a_dead_producer_fails_the_run_with_its_own_error(prefect_backend, demo_
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="reward post-process exploded"):
         state.result()
+
+
+@pytest.fixture
+def multi_run(demo_model, tmp_path):
+    """A multi-LoRA run's process-local state (no Prefect): two adapters over one stream."""
+    import uuid
+
+    from miles_core.multi_lora import MultiLoraRun
+    from miles_core.session.refs import RunRefs
+
+    cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, multi_lora={"n_adapters": 2})
+    run_dir = str(tmp_path / "runs" / cfg.name / uuid.uuid4().hex[:8])
+    run = MultiLoraRun(cfg, RunRefs(run_id="multi", run_dir=run_dir, model_dir=demo_model))
+    yield run
+    run.close()
+
+
+def test_an_earlier_starts_failed_heartbeat_does_not_fail_this_start(multi_run):
+    """A producer that failed before claiming a prompt leaves a ``failed`` heartbeat under the name
+    the next start's producer takes again (m0): that start must not read it as its own failure."""
+    from miles_core.rollout.fleet import Heartbeat
+
+    multi_run.control.beat(Heartbeat("m0", "failed", error="RuntimeError: the earlier start's"))
+    multi_run.open_producers()
+    assert multi_run.producer_id == "m0"
+    multi_run.check_producer(now=True)  # raises ProducerFailed if it read the earlier heartbeat
+    assert multi_run.control.heartbeat("m0").status == "starting"
+
+
+def test_a_producer_failing_while_storage_is_down_still_fails_the_adapters(multi_run, monkeypatch):
+    """The producer's heartbeat cannot say ``failed`` when the storage is down too; the adapters'
+    check must still raise the producer's own error instead of waiting for samples forever."""
+    from miles_core.rollout.fleet import ProducerFailed
+
+    multi_run.open_producers()
+
+    def engine_gone(link):
+        raise RuntimeError("the engine went away")
+
+    def storage_down(hb):
+        raise OSError("storage down")
+
+    monkeypatch.setattr(multi_run, "build_producer", engine_gone)
+    monkeypatch.setattr(multi_run.control, "beat", storage_down)
+    with pytest.raises((RuntimeError, OSError)):
+        multi_run.run_producer()
+    with pytest.raises(ProducerFailed, match="the engine went away"):
+        multi_run.check_producer(now=True)
