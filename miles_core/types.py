@@ -63,10 +63,6 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def min_version(self) -> int:
-        return min(self.span_versions)
-
-    @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 

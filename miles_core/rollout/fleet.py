@@ -350,9 +350,6 @@ class PromptLog:
             self._entries.append(new)
             return new
 
-    def claims_of(self, producer: str) -> list[Claim]:
-        return [c for c in self.entries() if c.kind == "claim" and c.producer == producer]
-
 
 # ---------------------------------------------------------------------------------- control plane
 

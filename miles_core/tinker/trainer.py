@@ -60,7 +60,6 @@ class Adapter:
     params: dict[str, nn.Parameter]
     optimizer: torch.optim.AdamW | None = None
     steps: int = 0
-    pending_grads: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -147,9 +146,6 @@ class TinkerTrainer:
                     logprobs[(k, j)] = lp.detach().numpy().astype(np.float32)
                 if not forward_only and total is not None and total.requires_grad:
                     total.backward()
-        if not forward_only:
-            for call in calls:
-                self.adapters[call.model_id].pending_grads = True
         return [([{"logprobs": logprobs[(k, j)]} for j in range(len(call.data))], {"loss:sum": losses[k]})
                 for k, call in enumerate(calls)]
 
@@ -216,7 +212,6 @@ class TinkerTrainer:
         adapter.optimizer.step()
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
-        adapter.pending_grads = False
         # names of our own: a client logs these beside its metrics (the cookbook's "step" is its own)
         return {"grad_norm": norm, "learning_rate": lr, "optimizer_steps": float(adapter.steps)}
 
@@ -246,7 +241,6 @@ class TinkerTrainer:
             for k, p in adapter.params.items():
                 p.copy_(weights[k])
                 p.grad = None
-        adapter.pending_grads = False
         adapter.optimizer = None
         adapter.steps = int(state.get("steps", 0))
         if with_optimizer and state.get("optimizer") is not None:

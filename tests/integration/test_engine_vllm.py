@@ -66,6 +66,11 @@ def _metric(text: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+async def _is_paused(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.get(f"{url}/is_paused")).json()["is_paused"]
+
+
 class TestVLLMEngineContract(EngineContract):
     progress_s = UnseenProgress.progress_s
     truncation_renormalises_logprobs = True  # vLLM's processed_logprobs: see miles_core/engines/vllm.py
@@ -84,8 +89,8 @@ class TestVLLMEngineContract(EngineContract):
 
     async def until(self, engine, received: int = 0, first_tokens: int = 0, timeout: float = 30) -> None:
         """As the contract's, except that a paused vLLM counts the requests it holds nowhere: those
-        are given ``UnseenProgress.progress_s`` to arrive."""
-        if engine._paused and received:
+        are given ``UnseenProgress.progress_s`` to arrive (paused as vLLM itself says, ``/is_paused``)."""
+        if received and await _is_paused(engine.url):
             await UnseenProgress.until(self, engine)
             received = 0
         await super().until(engine, received, first_tokens, timeout)
