@@ -504,13 +504,7 @@ def _public_host(host: str) -> str:
 
 
 def _healthy(api_url: str, timeout: float) -> bool:
-    import urllib.request  # ~30 ms: not on the `miles --help` path
-
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as resp:
-            return resp.status == 200
-    except (OSError, ValueError):
-        return False
+    return processes.http_status(f"{api_url}/health", timeout=timeout) == 200
 
 
 def _exit_status(pid: int) -> str | None:

@@ -40,7 +40,7 @@ from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
 from miles_core.ledger import raise_if_unbalanced
 from miles_core.multi_lora import adapter_history, close_multi_lora_run
-from miles_core.run import RunRefs, checkpoint_due
+from miles_core.run import RunRefs, checkpoint_due, eval_due
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.multi_lora import (
     adapter_left,
@@ -58,11 +58,6 @@ from tasks.multi_lora import (
     train_adapter,
 )
 from tasks.slots import run_slots
-
-
-def _eval_due(cfg: RunConfig, step: int) -> bool:
-    interval = cfg.eval.eval_interval
-    return step + 1 == cfg.rollout.num_rollout or (interval is not None and (step + 1) % interval == 0)
 
 
 @flow(name="adapter-update", flow_run_name="{name}", validate_parameters=False)
@@ -83,7 +78,7 @@ def adapter_update(cfg: RunConfig, refs: RunRefs, name: str, start: int = 0) -> 
         except RunStopped:  # asked to stop while waiting for data: the groups it read stay for a resumed run
             return cancelled(_stopped(cfg, refs, name, step))
         row = {**ref.metrics, "version": ref.version, "step_seconds": time.perf_counter() - t0}
-        if _eval_due(cfg, step):
+        if eval_due(cfg, step + 1):
             row["eval_accuracy"] = evaluate_adapter(c, r, n, quote(step + 1))["accuracy"]
         record_adapter_step(c, r, n, quote(step + 1), quote(row))
         if checkpoint_due(cfg, step + 1):

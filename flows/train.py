@@ -44,7 +44,7 @@ from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
 from miles_core.ledger import raise_if_unbalanced
-from miles_core.run import RolloutRef, RunRefs, check_lease, checkpoint_due, close_session, history_files
+from miles_core.run import RolloutRef, RunRefs, check_lease, checkpoint_due, close_session, eval_due, history_files
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.fleet import launch_producers, stop_producers
 from tasks.slots import run_slots
@@ -94,12 +94,6 @@ def _eval_line(label: str, ev: dict[str, float]) -> str:
     return line
 
 
-def _due(cfg: RunConfig, step: int) -> bool:
-    interval = cfg.eval.eval_interval
-    last = step + 1 == cfg.rollout.num_rollout
-    return last or (interval is not None and (step + 1) % interval == 0)
-
-
 @flow(name="train", flow_run_name=flow_run_name, validate_parameters=True)
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Train a policy with GRPO; returns the run summary (before/after accuracy, where things are).
@@ -128,10 +122,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             _before_training(cfg, refs, start, log)
             for step, row, r in steps(cfg, refs, start):
                 reward_errors, shared_eval = row.pop(REWARD_ERRORS, []), None
-                if _due(cfg, step) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
+                if eval_due(cfg, step + 1) and cfg.eval.engine == "shared":  # between steps (fully async: producers pause)
                     shared_eval = evaluate(quote(cfg), quote(refs), quote(step + 1))
                     row["eval_accuracy"] = shared_eval["accuracy"]
-                elif _due(cfg, step):  # on its own engine, beside the next steps
+                elif eval_due(cfg, step + 1):  # on its own engine, beside the next steps
                     evals.submit(step + 1, row["version"], final=step + 1 == total)
                 record_step(quote(cfg), quote(refs), quote(step + 1), quote(row))
                 if checkpoint_due(cfg, step + 1):

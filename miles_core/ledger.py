@@ -36,7 +36,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from miles_core.storage.fs import is_missing_bucket, join, open_fs, read_bytes
+from miles_core.storage.fs import join, list_names, open_fs, read_bytes
 
 if TYPE_CHECKING:
     from miles_core.rollout.buffer import Rejected
@@ -93,12 +93,7 @@ def used_groups(run_dir: str, storage_options: dict[str, Any] | None = None) -> 
 
 
 def _steps_in(fs, folder: str) -> list[int]:
-    try:
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
-    except FileNotFoundError as e:
-        if is_missing_bucket(e):
-            raise
-        return []
+    names = list_names(fs, folder)
     return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and n[5:-5].isdigit())
 
 
@@ -252,7 +247,7 @@ def _audit_steps(run_dir: str, options, entries: list[dict[str, Any]]) -> Audit:
     stream = SampleStream(run_dir, storage_options=options)
     segments = _segments(stream)
     read = {e["segment"]: e for e in entries if e.get("segment") is not None}
-    for offset in _count_set_aside(result, [stream]):  # damaged and moved aside: the ledger says what they held
+    for offset in _count_set_aside(result, stream):  # damaged and moved aside: the ledger says what they held
         if offset in read:
             for gi, _row, tokens in read[offset]["trained"]:
                 result.counts["trained"] += 1
@@ -283,15 +278,12 @@ SET_ASIDE = "segments damaged and moved aside"
 SET_ASIDE_TRAINED = "of those trained: groups whose segment was damaged and moved aside since"
 
 
-def _count_set_aside(result: Audit, streams) -> list[int]:
-    """The offsets of ``streams``' segments moved aside as damaged (one stream's; counted in ``result``)."""
-    offsets = []
-    for stream in streams:
-        aside = stream.set_aside()
-        if aside:
-            result.counts[SET_ASIDE] += len(aside)
-        offsets += aside
-    return offsets
+def _count_set_aside(result: Audit, stream) -> list[int]:
+    """The offsets of ``stream``'s segments moved aside as damaged (counted in ``result``)."""
+    aside = stream.set_aside()
+    if aside:
+        result.counts[SET_ASIDE] += len(aside)
+    return aside
 
 
 def _audit_epochs(result: Audit, entries: list[dict[str, Any]]) -> None:
@@ -411,7 +403,7 @@ def _read_fleet_streams(run_dir: str, options, claims: _Claims, reader: str, min
     base = SampleStream(run_dir, storage_options=options)
     for producer in sorted(set(claims.claimed_by.values())):
         stream = base.sibling(stream_name(producer))
-        _count_set_aside(result, [stream])
+        _count_set_aside(result, stream)
         cursor, fence = stream.reader(reader).cursor, control.fence_of(producer)
         for offset, groups in _segments(stream).items():
             if fence is not None and offset > fence:

@@ -43,6 +43,13 @@ FRESH_FEED = {"streams": {}}
 """A fully-async run with no checkpoint: every stream is read from its start."""
 
 
+def eval_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the run evaluates after ``step`` (1-based) training steps: every ``eval_interval``,
+    and after the last."""
+    interval = cfg.eval.eval_interval
+    return step == cfg.rollout.num_rollout or (interval is not None and step % interval == 0)
+
+
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     """Whether the run saves a checkpoint after ``step`` (1-based) training steps."""
     interval = cfg.checkpoint.save_interval

@@ -584,13 +584,8 @@ class LocalEngineServer:
         if proc is None:
             return
         if proc.poll() is None and self.url is not None:  # in-flight requests end now, not at the kill
-            _http(f"{self.url}/abort_request", {"abort_all": True}, timeout=2)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            processes.http_status(f"{self.url}/abort_request", {"abort_all": True}, timeout=2)
+        processes.terminate(proc, 10)
         if self._reader is not None:
             self._reader.join(timeout=5)
         if proc.stdout is not None:
@@ -633,27 +628,11 @@ class LocalEngineServer:
                 raise TimeoutError(f"engine server for {self.model_dir} not ready within "
                                    f"{self.cfg.startup_timeout_s:g} s (engine.startup_timeout_s):\n{self.output()}")
         while True:
-            if _http(f"{self.url}/health", timeout=5) == 200:
+            if processes.http_status(f"{self.url}/health", timeout=5) == 200:
                 return
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"engine server at {self.url} does not answer /health:\n{self.output()}")
             time.sleep(0.05)
-
-
-def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 5) -> int | None:
-    """Status of a GET (or a JSON POST when ``body`` is given) to ``url``; None when no answer."""
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            return reply.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

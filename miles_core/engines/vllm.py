@@ -529,11 +529,10 @@ class LocalVLLMServer:
         return f"LocalVLLMServer({self.model_dir!r}, port={self.port})"
 
     def _wait_ready(self, deadline: float) -> None:
-        from miles_core.engines.server import _http
 
         proc = self.proc
         assert proc is not None
-        while _http(f"{self.url}/health", timeout=2) != 200:
+        while processes.http_status(f"{self.url}/health", timeout=2) != 200:
             if proc.poll() is not None:
                 raise RuntimeError(f"vLLM server for {self.model_dir} exited with code {proc.returncode}; "
                                    f"the end of its log ({self.log_path}):\n{self.log_tail()}")

@@ -72,10 +72,6 @@ class ArchiveReport:
     closed: bool = False
     """True if the stream had its end marker, i.e. the archive holds the whole stream."""
 
-    @property
-    def ratio(self) -> float:
-        return self.bytes_out / self.bytes_in if self.bytes_in else float("nan")
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -270,7 +270,6 @@ class RetryPolicy:
 
 
 DEFAULT_RETRY = RetryPolicy()
-NO_RETRY = RetryPolicy(attempts=1)
 
 
 def outage_retry(max_outage_s: float) -> RetryPolicy:
