@@ -429,35 +429,27 @@ class BankedLoraTrainer(TorchTrainer):
 
     def __init__(self, bank: AdapterBank, name: str, lora: LoraConfig, train_cfg: TrainConfig,
                  weight_store: WeightPublisher, storage_options: dict[str, Any] | None = None) -> None:
-        from miles_core.train.losses import setup_policy_loss
-        from miles_core.train.torch_trainer import _has_dropout
+        from miles_core.train.torch_trainer import has_dropout
 
         self.bank, self.name = bank, name
-        self.cfg, self.lora = train_cfg, lora
-        self.policy_loss = setup_policy_loss(train_cfg.loss)
-        self.weight_store, self.storage_options = weight_store, storage_options or {}
-        self.model = bank.model
-        self.device = next(bank.model.parameters()).device
-        self.ref_model = None
-        self._random_forward = lora.dropout > 0 or _has_dropout(bank.model)
-        self._mismatch_denom = None
         self._named = bank.parameters_of(name)
-        self._start(list(self._named.values()), 0)
+        self.setup(bank.model, list(self._named.values()), train_cfg, weight_store, lora=lora,
+                   storage_options=storage_options, random_forward=lora.dropout > 0 or has_dropout(bank.model))
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.bank.step(self.name, batch)
 
-    def _logits(self, model: nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
+    def logits(self, model: nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
         if route is None and self.bank.routes is not _BASE:  # the reference pass keeps the base's routing
             route = self._route
-        return super()._logits(model, mb, route)
+        return super().logits(model, mb, route)
 
     def _route(self, rows: Tensor) -> AbstractContextManager:
         """Every row of a pass through this adapter."""
         return self.bank.route([(self.name, 0, len(rows))])
 
     @contextmanager
-    def _reference(self) -> Iterator[nn.Module]:
+    def reference(self) -> Iterator[nn.Module]:
         """The reference policy: the base, every adapter off."""
         with self.bank.route(_BASE):
             yield self.model
@@ -489,10 +481,10 @@ class BankedLoraTrainer(TorchTrainer):
             self.bank.save_peft(self.name, self.lora, tmp)
             return self.weight_store.publish_folder(version, tmp)
 
-    def _model_state(self) -> dict[str, Tensor]:
+    def model_state(self) -> dict[str, Tensor]:
         return {k: p.detach() for k, p in self._named.items()}
 
-    def _load_model_state(self, weights: dict[str, Tensor]) -> None:
+    def load_model_state(self, weights: dict[str, Tensor]) -> None:
         from miles_core.train.policy import few
 
         # a checkpoint of a trainer of its own (PEFT's parameter names carry the adapter's name)

@@ -175,9 +175,9 @@ class DeepSpeedTrainer(TorchTrainer):
 
     # ------------------------------------------------------------------------------------ step
 
-    def _logits(self, model: torch.nn.Module, mb: TokenBatch, route=None) -> Tensor:
+    def logits(self, model: torch.nn.Module, mb: TokenBatch, route=None) -> Tensor:
         # the policy's passes go through the engine (its forward hooks: ZeRO-3 gathers, bf16)
-        return super()._logits(self.engine if model is self.model else model, mb, route)
+        return super().logits(self.engine if model is self.model else model, mb, route)
 
     def _micro_batches(self, tokens: TokenBatch) -> Iterator[tuple[Tensor, TokenBatch]]:
         """This rank's share of ``tokens`` in micro-batches: (row indices into ``tokens``, rows).

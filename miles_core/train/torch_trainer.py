@@ -114,7 +114,11 @@ class TorchTrainer:
     """``step(batch)`` in parts that are public, so that ``AdapterBank`` can fuse several trainers'
     steps into one pass over a shared base: ``plan`` (tensors and minibatches), per minibatch
     ``loss_denominator``, ``trained_micro_batches``, ``loss_of`` a micro-batch's logits,
-    ``keep_metrics``, then ``apply_gradients``; ``summarize`` the step."""
+    ``keep_metrics``, then ``apply_gradients``; ``summarize`` the step. A trainer of a model built
+    elsewhere calls ``setup`` instead of the constructor, and a subclass may replace ``logits`` (a
+    micro-batch's pass), ``reference`` (the reference policy) and ``model_state`` /
+    ``load_model_state`` (what a checkpoint holds of the model): ``BankedLoraTrainer`` does all
+    four, ``DeepSpeedTrainer`` the first."""
 
     def __init__(
         self,
@@ -128,26 +132,32 @@ class TorchTrainer:
     ) -> None:
         self.dtype = torch_dtype(dtype, "TorchTrainer")
         """The run's model dtype: the policy is loaded in it."""
-        self.cfg = train_cfg
-        self.policy_loss = setup_policy_loss(train_cfg.loss)
-        self.weight_store = weight_store
-        self.storage_options = storage_options or {}
-        self.device = self._select_device(train_cfg)
-        self.lora = lora
-        self.model = load_policy(model_dir, train_cfg, self.dtype, lora).to(self.device)
+        model = load_policy(model_dir, train_cfg, self.dtype, lora).to(self._select_device(train_cfg))
+        self.setup(model, [p for p in model.parameters() if p.requires_grad], train_cfg, weight_store,
+                   lora=lora, version=initial_version, storage_options=storage_options)
         # The reference policy is the starting weights; a frozen copy is kept only when the KL term
         # is on and there is no adapter to switch off (with LoRA the base itself is the reference).
-        self.ref_model = None
         if _uses_reference(train_cfg) and lora is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self._random_forward = _has_dropout(self.model)
+
+    def setup(self, model: torch.nn.Module, params: list[torch.nn.Parameter], train_cfg: TrainConfig,
+              weight_store: WeightPublisher, *, lora: LoraConfig | None = None, version: int = 0,
+              storage_options: dict[str, Any] | None = None, random_forward: bool | None = None) -> None:
+        """Train ``params`` of ``model`` (on its device) with AdamW, from weights ``version``,
+        shuffling from ``train_cfg.seed``. The constructor calls it with the policy it loads; a
+        trainer of a model built elsewhere (an ``AdapterBank``'s adapter) calls it instead of the
+        constructor. ``random_forward``: whether a training-mode pass is random (default: the model
+        has dropout, ``has_dropout``)."""
+        self.cfg, self.lora = train_cfg, lora
+        self.policy_loss = setup_policy_loss(train_cfg.loss)
+        self.weight_store, self.storage_options = weight_store, storage_options or {}
+        self.model, self.device = model, next(model.parameters()).device
+        self.ref_model: torch.nn.Module | None = None
+        """The frozen reference policy when one is kept (``reference``)."""
+        self._random_forward = has_dropout(model) if random_forward is None else random_forward
         """A training-mode forward pass is random (dropout, jitter): two passes differ (``_one_pass``)."""
         self._mismatch_denom: float | None = None
         """One pass: the tokens the mismatch metrics average over (None: no metrics)."""
-        self._start([p for p in self.model.parameters() if p.requires_grad], initial_version)
-
-    def _start(self, params: list[torch.nn.Parameter], version: int) -> None:
-        """Train ``params`` of ``self.model`` with AdamW, from weights ``version``, shuffling from ``cfg.seed``."""
         cfg = self.cfg
         self.params = params
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -221,14 +231,14 @@ class TorchTrainer:
             )
             tokens.old_logprobs = tokens.rollout_logprobs
         if _uses_reference(self.cfg):
-            with self._reference() as ref:
+            with self.reference() as ref:
                 tokens.ref_logprobs = self._forward_logprobs(ref, tokens, batch.temperature)
         if self.cfg.kl_coef > 0:
             metrics.update(step_math.kl_penalised_advantages(self.cfg, batch, tokens))
         return tokens, metrics
 
     @contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
+    def reference(self) -> Iterator[torch.nn.Module]:
         """The reference policy: the frozen copy, or with LoRA the model with its adapter off."""
         if self.ref_model is not None:
             yield self.ref_model
@@ -252,7 +262,7 @@ class TorchTrainer:
             rows = rows.to(self.device)
             yield rows, tokens.select(rows)
 
-    def _logits(self, model: torch.nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
+    def logits(self, model: torch.nn.Module, mb: TokenBatch, route: Route | None = None) -> Tensor:
         """The raw logits of ``model`` (its dtype), aligned like ``mb.labels`` (the shared-prompt pass
         when ``share_prompt_forward`` is on: ``shared_prompt``). The temperature is applied chunk by
         chunk where they are used (``token_logprobs_and_entropy``), never to a copy of the whole."""
@@ -265,7 +275,7 @@ class TorchTrainer:
         out = torch.zeros_like(tokens.loss_mask)
         with _eval_mode(model):
             for rows, mb in self._micro_batches(tokens):
-                lp = token_logprobs(self._logits(model, mb), mb.labels, temperature)
+                lp = token_logprobs(self.logits(model, mb), mb.labels, temperature)
                 out[rows, : lp.shape[1]] = lp  # (a DeepSpeed rank's stand-in has no rows)
         return out
 
@@ -323,7 +333,7 @@ class TorchTrainer:
 
     def _micro_loss(self, mb: TokenBatch, denom: float, temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the minibatch loss (divided by the minibatch's ``denom``)."""
-        return self.loss_of(mb, self._logits(self.model, mb), denom, temperature)
+        return self.loss_of(mb, self.logits(self.model, mb), denom, temperature)
 
     def loss_of(self, mb: TokenBatch, logits: Tensor, denom: float,
                  temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
@@ -350,7 +360,7 @@ class TorchTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         state = {
-            "model": self._model_state(),
+            "model": self.model_state(),
             "optimizer": self.optimizer.state_dict(),
             "version": self._version,
             "shuffle_rng": self._generator.get_state(),
@@ -360,15 +370,15 @@ class TorchTrainer:
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
 
-    def _model_state(self) -> dict[str, Tensor]:
+    def model_state(self) -> dict[str, Tensor]:
         """The trained weights (``policy.trained_state``; with LoRA the adapter's only)."""
         return trained_state(self.model, self.lora)
 
-    def _load_model_state(self, weights: dict[str, Tensor]) -> None:
+    def load_model_state(self, weights: dict[str, Tensor]) -> None:
         load_trained_state(self.model, self.lora, weights)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_model_state(state["model"])
+        self.load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._version = int(state["version"])
         self._generator.set_state(state["shuffle_rng"].cpu())
@@ -396,7 +406,7 @@ def _has_rollout_logprobs(s: Sample) -> bool:
     return len(s.rollout_logprobs) == len(s.response_ids)
 
 
-def _has_dropout(model: torch.nn.Module) -> bool:
+def has_dropout(model: torch.nn.Module) -> bool:
     """Whether a training-mode forward pass of ``model`` is random: a dropout module with p > 0, or
     a config value above 0 whose name says dropout or jitter (``attention_dropout``, a MoE router's
     ``router_jitter_noise``), nested configs (``text_config``) included."""

@@ -75,7 +75,7 @@ def test_each_adapters_fused_step_is_its_own_peft_step(tiny_model_dir, tmp_path,
                 for n, (lora, cfg) in ADAPTERS.items()}
     bank, fused = bank_of(tiny_model_dir, tmp_path)
     for n in ADAPTERS:  # the same starting A (B is zero in both)
-        fused[n]._load_model_state(separate[n].weights())
+        fused[n].load_model_state(separate[n].weights())
     for rewards in (REWARDS_A, REWARDS_B):
         want = {n: t.step(make_batch(rewards)) for n, t in separate.items()}
         got, errors = step_in_threads(fused, {n: make_batch(rewards) for n in ADAPTERS})

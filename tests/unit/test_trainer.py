@@ -595,14 +595,14 @@ def test_trainer_state_saves_and_loads_through_a_storage_outage(tiny_model_dir, 
 
 def count_forwards(trainer):
     """The passes of the policy over a micro-batch (a shared-prompt pass is one, in two model calls)."""
-    calls, logits = [], trainer._logits
+    calls, logits = [], trainer.logits
 
     def counted(model, *args, **kwargs):
         if model is trainer.model:
             calls.append(1)
         return logits(model, *args, **kwargs)
 
-    trainer._logits = counted
+    trainer.logits = counted
     return calls
 
 
@@ -653,7 +653,7 @@ def test_the_old_logprob_pass_stays_where_the_denominator_is_needed_first(tiny_m
 def test_a_random_training_forward_keeps_the_separate_old_logprob_pass(tiny_model_dir, tmp_path):
     """Dropout anywhere (a module, the attention's, a nested config's) or a router's jitter makes
     the loss pass differ from an eval pass: the trainer keeps the separate pass."""
-    from miles_core.train.torch_trainer import _has_dropout
+    from miles_core.train.torch_trainer import has_dropout
 
     trainer = make_trainer(tiny_model_dir, tmp_path)
     assert trainer._one_pass(8)
@@ -662,10 +662,10 @@ def test_a_random_training_forward_keeps_the_separate_old_logprob_pass(tiny_mode
         fresh = make_trainer(tiny_model_dir, tmp_path)
         for key, value in setting.items():
             setattr(fresh.model.config, key, value)
-        assert _has_dropout(fresh.model), setting
+        assert has_dropout(fresh.model), setting
     trainer.model.model.layers[0].self_attn.o_proj = torch.nn.Sequential(trainer.model.model.layers[0].self_attn.o_proj,
                                                                           torch.nn.Dropout(0.1))
-    assert _has_dropout(trainer.model)
+    assert has_dropout(trainer.model)
 
 
 # ---------------------------------------------------------------------------------- shared prompt
