@@ -61,7 +61,7 @@ def _role(cmdline: list[str]) -> str:
     """Which of a run's processes this is: the ``miles`` command (it supervises), the training process
     it starts (``deployments.cli``), a rollout producer, or Prefect's temporary server."""
     text = " ".join(cmdline)
-    if "miles_core.rollout.worker" in text:
+    if "miles_core.session.fleet_member" in text:
         return "producer"
     if "miles_core.rewards.isolated" in text:
         return "reward workers"

@@ -25,7 +25,7 @@ def rollout(cfg: RunConfig, refs: dict[str, Any], producer_id: str) -> dict[str,
     returns its counters."""
     from prefect.runtime import flow_run
 
-    from miles_core.rollout.worker import run_fleet_producer
+    from miles_core.session.fleet_member import run_fleet_producer
 
     log = get_run_logger()
     cfg = with_block_credentials(cfg)

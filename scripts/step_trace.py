@@ -61,7 +61,7 @@ def toy_config(root: str):
 def produce(cfg, refs, producer: str, out) -> None:
     """The producer side (a child process): trace while it writes its third segment."""
     from miles_core.rollout.fleet import stream_name
-    from miles_core.rollout.worker import run_fleet_producer
+    from miles_core.session.fleet_member import run_fleet_producer
     from miles_core.storage.stream import SampleStream
 
     trace, stream = FileTrace(), SampleStream(refs.run_dir, producer=stream_name(producer))

@@ -112,7 +112,7 @@ def _warn(message: str) -> None:
 @task(name="launch-producers", cache_policy=NO_CACHE, task_run_name="launch-producers")
 def launch_producers(cfg: RunConfig, refs: RunRefs) -> list[str]:
     """Start the fully-async run's rollout producers; returns their ids."""
-    from miles_core.rollout.worker import SubprocessLauncher
+    from miles_core.session.fleet_member import SubprocessLauncher
 
     log = get_run_logger()
     a = cfg.mode

@@ -66,7 +66,7 @@ def assert_prompts_exactly_once(run_dir: str, storage_options: dict | None = Non
 def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backend, demo_model, tmp_path):
     from flows.train import train
     from miles_core.rollout.fleet import ControlPlane
-    from miles_core.rollout.worker import SubprocessLauncher
+    from miles_core.session.fleet_member import SubprocessLauncher
     from miles_core.run import RunRefs
     from miles_core.storage import SampleStream
 
@@ -90,7 +90,7 @@ def test_a_producer_killed_mid_run_is_replaced_and_nothing_is_lost(prefect_backe
 
     by_hand = SubprocessLauncher(cfg, RunRefs("fleet-kill", str(run_dir), demo_model))
 
-    def join_a_producer_by_hand():  # `python -m miles_core.rollout.worker --producer-id extra ...`
+    def join_a_producer_by_hand():  # `python -m miles_core.session.fleet_member --producer-id extra ...`
         wait_for(lambda: (run_dir / "fleet" / "producers" / "p0.json").exists(), 120, "the fleet's first heartbeat")
         by_hand.launch("extra")
 
