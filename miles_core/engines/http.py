@@ -259,6 +259,14 @@ class HTTPEngine:
         """fsspec options of the store weight URIs point into, when this process may read it."""
         self.longest_tokens = 0
         """The most tokens a generate request has asked for (sizes the wait of a push behind one)."""
+        self._version = 0
+        """Version of the weights last loaded through this engine (0: the server's own)."""
+        self._adapter_versions: dict[str, int] = {}
+        """Each adapter's version, as last loaded through this engine."""
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
 
     async def health(self) -> bool:
         """Whether ``/health`` answers 200 (False when it answers otherwise or not at all)."""

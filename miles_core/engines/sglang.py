@@ -89,17 +89,10 @@ class SGLangEngine(HTTPEngine):
         transport: Transport | None = None,
     ) -> None:
         super().__init__(url, cfg, server, transport, exempt=CONTROL_PATHS)
-        self._version = 0
-        self._adapter_versions: dict[str, int] = {}
-        """Version of the weights last loaded through this engine (0: the server's own)."""
         self._queued: list[tuple[list[GenerateRequest], asyncio.Future]] = []
         """Calls waiting for the coalescing window to close (on the callers' loop)."""
 
     # ------------------------------------------------------------------------------ protocol
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results for ``requests`` in request order, from one ``/generate`` request shared with

@@ -88,13 +88,7 @@ class VLLMEngine(HTTPEngine):
         """Scratch folders of weight reloads that got no answer, removed once one succeeds."""
         self._model = model
         self.model_dir = model_dir if model_dir is not None else getattr(server, "model_dir", None)
-        self._version = 0
-        self._adapter_versions: dict[str, int] = {}
         self._paused = False
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results for ``requests`` in request order (one completion request each, concurrently)."""

@@ -29,7 +29,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
@@ -295,17 +295,23 @@ class BucketMissingError(FileNotFoundError):
     """The object store answered that the run's bucket does not exist."""
 
 
-def is_missing_bucket(error: BaseException) -> bool:
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from or during, each once."""
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def is_missing_bucket(error: BaseException) -> bool:
+    for e in _chain(error):
         response = getattr(e, "response", None)
         if isinstance(response, dict) and response.get("Error", {}).get("Code") == "NoSuchBucket":
             return True
         if isinstance(e, FileNotFoundError) and "bucket does not exist" in str(e).lower():
             return True
-        e = e.__cause__ or e.__context__
     return False
 
 
@@ -322,14 +328,11 @@ def _bucket_missing(what: str, fs: fsspec.AbstractFileSystem, error: BaseExcepti
 
 def is_transient(error: BaseException, policy: RetryPolicy = DEFAULT_RETRY) -> bool:
     """True for errors worth retrying: the endpoint was unreachable, slow or failing (5xx)."""
-    seen: set[int] = set()
-    e: BaseException | None = error
     if isinstance(error, FileExistsError | PermissionError | ValueError | TypeError):
         return False
     if isinstance(error, FileNotFoundError):
         return policy.retry_missing_bucket and "bucket" in str(error).lower()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in _chain(error):
         if isinstance(e, ConnectionError | TimeoutError | asyncio.TimeoutError):
             return True
         if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
@@ -345,7 +348,6 @@ def is_transient(error: BaseException, policy: RetryPolicy = DEFAULT_RETRY) -> b
             return False
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return True
-        e = e.__cause__ or e.__context__
     return False
 
 
@@ -561,18 +563,7 @@ def list_after(fs: fsspec.AbstractFileSystem, folder: str, start_after: str | No
     if not is_s3(fs):
         names = sorted(list_names(fs, folder))
         return names if start_after is None else [n for n in names if n > start_after]
-    bucket, key = _split_s3(fs, folder)
-    prefix = key.rstrip("/") + "/" if key else ""
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-    if start_after is not None:
-        kwargs["StartAfter"] = prefix + start_after
-    names: list[str] = []
-    while True:
-        out = fs.call_s3("list_objects_v2", **kwargs)
-        names.extend(obj["Key"][len(prefix):] for obj in out.get("Contents", []))
-        if not out.get("IsTruncated"):
-            return [n for n in names if n and "/" not in n]
-        kwargs["ContinuationToken"] = out["NextContinuationToken"]
+    return [n for n in _s3_keys(fs, folder, start_after) if n and "/" not in n]
 
 
 def list_tree(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
@@ -586,15 +577,23 @@ def list_tree(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
         except FileNotFoundError:
             return []
         return sorted(p[len(base):] for p in found if p.startswith(base))
+    return sorted(n for n in _s3_keys(fs, folder) if n)
+
+
+def _s3_keys(fs: fsspec.AbstractFileSystem, folder: str, start_after: str | None = None) -> list[str]:
+    """Every key below ``folder`` (after ``folder/start_after``), relative to it, ascending: one
+    ``list_objects_v2`` without a delimiter, paged, past fsspec's listing cache."""
     bucket, key = _split_s3(fs, folder)
     prefix = key.rstrip("/") + "/" if key else ""
     kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    if start_after is not None:
+        kwargs["StartAfter"] = prefix + start_after
     names: list[str] = []
     while True:
         out = fs.call_s3("list_objects_v2", **kwargs)
         names.extend(obj["Key"][len(prefix):] for obj in out.get("Contents", []))
         if not out.get("IsTruncated"):
-            return sorted(n for n in names if n)
+            return names
         kwargs["ContinuationToken"] = out["NextContinuationToken"]
 
 
