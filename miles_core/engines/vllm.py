@@ -523,7 +523,6 @@ class LocalVLLMServer:
         return f"LocalVLLMServer({self.model_dir!r}, port={self.port})"
 
     def _wait_ready(self, deadline: float) -> None:
-
         proc = self.proc
         assert proc is not None
         while processes.http_status(f"{self.url}/health", timeout=2) != 200:

@@ -17,7 +17,7 @@ through the run folder only (``rollout/fleet.py``) and a launcher.
 A launcher has ``launch(producer)``, ``ended(producer) -> reason | None``, ``stop(producer, timeout)``
 (make sure it is gone, after it was asked to stop), ``cancel(producer)`` (now) and
 ``abandon(producer, reason)`` (it was declared dead: kill what is left of it, mark it crashed):
-``worker.SubprocessLauncher`` (child processes) or ``tasks/fleet.DeploymentLauncher`` (flow runs of
+``session.fleet_member.SubprocessLauncher`` (child processes) or ``tasks/fleet.DeploymentLauncher`` (flow runs of
 a deployment, children of the training run).
 """
 

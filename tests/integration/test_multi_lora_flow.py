@@ -158,8 +158,9 @@ def multi_run(demo_model, tmp_path):
     from miles_core.session.refs import RunRefs
 
     cfg = _run_cfg(tmp_path, demo_model, "fully_async", lora=LORA, multi_lora={"n_adapters": 2})
-    run_dir = str(tmp_path / "runs" / cfg.name / uuid.uuid4().hex[:8])
-    run = MultiLoraRun(cfg, RunRefs(run_id="multi", run_dir=run_dir, model_dir=demo_model))
+    run_id = uuid.uuid4().hex[:8]  # the run's folder is <root>/<name>/<run_id>, as prepare_run makes it
+    run = MultiLoraRun(cfg, RunRefs(run_id=run_id, run_dir=str(tmp_path / "runs" / cfg.name / run_id),
+                                    model_dir=demo_model))
     yield run
     run.close()
 
