@@ -73,19 +73,26 @@ def evaluate_run(run_dir: str, version: Optional[int] = None, storage_options: O
     if not rows:
         log.info("nothing new to evaluate in %s: its newest version was evaluated already", run_dir)
         return []
-    append_history(run_dir, rows, options)
     for row in rows:
         who = f"adapter {row['adapter']} " if row["adapter"] else ""
         named = "".join(f", {k.removesuffix('/accuracy')} {v:.3f}" for k, v in row.items() if k.endswith("/accuracy"))
         log.info("%sversion %d: held-out accuracy %.3f%s", who, row["version"], row["accuracy"], named)
-    history = read_history(run_dir, options)
+    record_evaluations(run_dir, rows, options)
+    return rows
+
+
+@task(name="record-evaluations", cache_policy=NO_CACHE)
+def record_evaluations(run_dir: str, rows: list[dict[str, Any]], storage_options: dict) -> None:
+    """Append ``rows`` to the run's evaluation history (``eval_history.parquet``) and show the whole
+    history as a table artifact and a trend image."""
+    append_history(run_dir, rows, storage_options)
+    history = read_history(run_dir, storage_options)
     # parquet gives every row every column; a dataset a row was not evaluated on is None there
     per_dataset = sorted({k for r in history for k in r if k.endswith("/accuracy")})
     table = [{k: r.get(k) for k in (*_TABLE_KEYS, *per_dataset)} for r in history]
     create_table_artifact(table, key=None, description=f"held-out evaluations of {run_dir} (oldest first)")
     create_image_artifact(data_url(_trend_png(history, run_dir)), key=None,
                           description=f"held-out accuracy of {run_dir} per evaluated version")
-    return rows
 
 
 def _trend_png(history: list[dict[str, Any]], run_dir: str) -> bytes:
