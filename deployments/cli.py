@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from miles_core.ledger import audit, format_audit
+    from miles_core.audit import audit, format_audit
 
     try:
         result = audit(args.run_dir, args.storage_options)

@@ -38,7 +38,7 @@ from prefect.utilities.annotations import quote
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import raise_if_unbalanced
+from miles_core.audit import raise_if_unbalanced
 from miles_core.multi_lora import adapter_history, close_multi_lora_run
 from miles_core.run import RunRefs, checkpoint_due, eval_due
 from miles_core.stopping import RunStopped, cancelled, stop_requested

@@ -43,7 +43,7 @@ from prefect.utilities.annotations import quote
 from flows.begin import begin_run, flow_run_name
 from flows.live import LiveReport, artifact_key
 from miles_core.config import RunConfig
-from miles_core.ledger import raise_if_unbalanced
+from miles_core.audit import raise_if_unbalanced
 from miles_core.run import RolloutRef, RunRefs, check_lease, checkpoint_due, close_session, eval_due, history_files
 from miles_core.stopping import RunStopped, cancelled, stop_requested
 from tasks.fleet import launch_producers, stop_producers

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from math import comb
 
-from miles_core.rollout.generate import is_correct
 from miles_core.types import Group, SampleStatus
 
 
@@ -35,7 +34,7 @@ def eval_metrics(groups: Sequence[Group], weight_version: int) -> dict[str, floa
     if not samples:
         raise ValueError("eval_metrics: no samples to evaluate")
     n = min(len(g.samples) for g in groups)
-    correct = [sum(is_correct(s) for s in g.samples[:n]) for g in groups]
+    correct = [sum(s.is_correct for s in g.samples[:n]) for g in groups]
     rewards = [s.reward for s in samples if s.reward is not None]
     out = {
         "accuracy": sum(c / n for c in correct) / len(groups),

@@ -50,8 +50,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from miles_core.audit import audit_line
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_line, used_groups
+from miles_core.ledger import used_groups
 from miles_core.rollout.fleet import (
     ControlPlane,
     FleetMonitor,

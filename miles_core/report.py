@@ -82,7 +82,7 @@ def artifact_key(*parts: str) -> str:
 def summary_markdown(name: str, summary: Mapping[str, Any], curves: str) -> str:
     """Run ``name``'s summary (``RunSession.summary`` with its ``audit``) in markdown: held-out
     accuracy before and after, and links to its folder, metrics, curves, samples and weights."""
-    from miles_core.ledger import audit_line
+    from miles_core.audit import audit_line
 
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731

@@ -66,6 +66,11 @@ class Sample:
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @property
+    def is_correct(self) -> bool:
+        """Verifiable rewards score 1 for a correct answer; accuracy counts those samples."""
+        return self.reward is not None and self.reward >= 1.0
+
 
 @dataclass
 class Group:

@@ -14,7 +14,7 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_at_end
+from miles_core.audit import audit_at_end
 from miles_core.multi_lora import get_multi_lora_run, report, write_curves
 from miles_core.run import RunRefs, TrainRef
 from tasks.slots import device_slots

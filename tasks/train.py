@@ -8,7 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
-from miles_core.ledger import audit_at_end
+from miles_core.audit import audit_at_end
 from miles_core.run import RolloutRef, RunRefs, TrainRef, get_session
 from miles_core.run import prepare_run as _prepare_run
 from tasks.slots import device_slots

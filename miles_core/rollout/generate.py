@@ -194,11 +194,6 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
-def is_correct(sample: Sample) -> bool:
-    """Verifiable rewards score 1 for a correct answer; accuracy counts those samples."""
-    return sample.reward is not None and sample.reward >= 1.0
-
-
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
     scored = [s for s in samples if s.reward is not None]
@@ -208,7 +203,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     uniform = sum(1 for g in groups if len({s.reward for s in g.samples}) <= 1)
     return {
         "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
-        "accuracy": sum(is_correct(s) for s in scored) / len(scored) if scored else float("nan"),
+        "accuracy": sum(s.is_correct for s in scored) / len(scored) if scored else float("nan"),
         "response_len_mean": sum(resp_lens) / n,
         "truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / n,
         "failed_samples": float(sum(s.status == SampleStatus.FAILED for s in samples)),

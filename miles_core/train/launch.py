@@ -210,7 +210,12 @@ class LaunchedTrainer:
                     self._fail()
                     raise self._error(f"trainer rank {rank} exited during {what!r}", tail_ranks=[rank]) from None
                 if status == "error":
+                    # a rank that died makes the others fail in their collectives: name it first
+                    dead = [r for r in sorted(pending) if r != rank and not processes.alive(self.pids.get(r, 0))]
                     self._fail()
+                    if dead:
+                        raise self._error(f"trainer rank {dead[0]} exited during {what!r} (rank {rank} failed after "
+                                          f"it:\n{payload})", tail_ranks=[dead[0], rank])
                     raise self._error(f"trainer rank {rank} failed during {what!r}:\n{payload}", tail_ranks=[rank])
                 del pending[rank]
                 if rank == 0:

@@ -405,7 +405,7 @@ def test_a_damaged_segment_found_on_resume_is_moved_aside_and_the_audit_and_arch
     the newest, likely never read): the run resumed for two more steps moves them aside, the prompts
     it had not trained are generated again, its audit balances and the stream archives."""
     from flows.train import train
-    from miles_core.ledger import SET_ASIDE
+    from miles_core.audit import SET_ASIDE
     from miles_core.storage.archive import compact_run
 
     cfg = _tiny_run(tmp_path, tiny_model_dir, checkpoint={"save_interval": 2}, eval={"eval_interval": None},

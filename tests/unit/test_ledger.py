@@ -5,12 +5,13 @@ way of losing one or training one twice is named."""
 from __future__ import annotations
 
 import pytest
+from test_fleet import _group, counter_draw
 
-from miles_core.ledger import audit, format_audit, write_step
+from miles_core.audit import audit, format_audit
+from miles_core.ledger import write_step
 from miles_core.rollout.fleet import PromptLog, stream_name
 from miles_core.storage import SampleStream
 from miles_core.storage.layout import RunLayout
-from test_fleet import _group, counter_draw
 
 
 def _run(tmp_path):
@@ -108,7 +109,7 @@ def test_a_shared_rollout_is_counted_once_per_adapter_not_summed(tmp_path):
     claim = log.claim("m0", 2)
     groups = [_group(claim.group_index(i)) for i in range(2)]
     stream.append(groups)
-    from miles_core.ledger import audit_line
+    from miles_core.audit import audit_line
     from miles_core.multi_lora import adapter_reader
 
     for name in ("adapter-0", "adapter-1"):
@@ -163,7 +164,7 @@ def test_a_sync_run_is_audited_epoch_by_epoch_from_its_prompt_cursor(tmp_path):
 
 
 def test_a_finished_run_whose_ledger_does_not_balance_fails_after_its_summary():
-    from miles_core.ledger import AuditFailed, raise_if_unbalanced
+    from miles_core.audit import AuditFailed, raise_if_unbalanced
 
     lost = {"ok": False, "problems": ["prompt 17 (epoch 0) lost"], "num_problems": 1, "counts": {}, "tokens": {}}
     with pytest.raises(AuditFailed, match=r"does not balance: prompt 17 \(epoch 0\) lost \(1 problem\(s\); "
