@@ -380,19 +380,16 @@ def _write_tied_head(files: list[Path], out: Path) -> None:
 
 
 def _tensor_shapes(path: str) -> dict[str, list[int]]:
-    """Tensor name -> shape of a safetensors file, or of every ``*.safetensors`` in a folder."""
-    import json
-    import struct
+    """Tensor name -> shape of a safetensors file, or of every ``*.safetensors`` in a folder (a file
+    that is not one, or is cut short, is refused here, before the server reads it)."""
+    from miles_core.storage.weights import SafetensorsFile
 
     files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no .safetensors file there")
     shapes: dict[str, list[int]] = {}
     for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+        shapes.update({k: e["shape"] for k, e in SafetensorsFile(str(f)).entries.items()})
     return shapes
 
 
