@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING, Any
 from miles_core import processes
 from miles_core.rollout.fleet import ControlPlane, Heartbeat, ProducerFenced, PromptLog, stream_name
 from miles_core.rollout.worker import ClaimedPrompts, ProducerLink
-from miles_core.session.parts import EngineLoop, RunFiles
 from miles_core.session.refs import RunRefs
-from miles_core.session.rollouts import RolloutSide
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
@@ -41,6 +39,10 @@ if TYPE_CHECKING:
 def run_fleet_producer(cfg: RunConfig, refs: RunRefs, producer_id: str, *, cancel: threading.Event | None = None,
                        flow_run_id: str | None = None, parent_pid: int | None = None, log=print) -> dict[str, Any]:
     """Run producer ``producer_id`` of the run until the run folder says stop; returns its stats."""
+    # imported here: the entry point's signal handlers are in place before the heavy imports
+    from miles_core.session.parts import EngineLoop, RunFiles
+    from miles_core.session.rollouts import RolloutSide
+
     a = cfg.mode
     opts = cfg.storage.storage_options
     files, loop = RunFiles.open(cfg, refs), EngineLoop()
