@@ -19,18 +19,23 @@ LORA = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "g
 
 
 def _child_flow_runs(flow_run_id) -> dict[str, str]:
-    """Names and states of the subflow runs of a flow run."""
+    """Names and states of the subflow runs of a flow run. A flow run that never started and shares
+    its parent task run (the subflow call) with one that did is set aside: it is the Prefect client
+    sending the same create again after an answer it did not get (a CI run under load once listed
+    one, Pending under a generated name). Any other extra child is kept, so the test sees it."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     async def read():
         async with get_client() as client:
-            runs = await client.read_flow_runs(
+            return await client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
             )
-            return {r.name: r.state_type.value for r in runs}
 
-    return asyncio.run(read())
+    runs = asyncio.run(read())
+    calls_started = {r.parent_task_run_id for r in runs if r.start_time is not None}
+    return {r.name: r.state_type.value for r in runs
+            if r.start_time is not None or r.parent_task_run_id not in calls_started}
 
 
 def test_four_adapters_share_one_rollout_stream_and_the_sensible_ones_improve(prefect_backend, demo_model, tmp_path):
