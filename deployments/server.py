@@ -52,7 +52,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -422,19 +421,21 @@ class LocalServer:
         return proc.pid
 
     def _wait_healthy(self, pid: int, port: int, timeout: float, host: str | None = None) -> None:
-        """Wait until the API answers; stop the server and say why if it exits or times out."""
+        """Wait until the API answers; say why if the server exits or times out."""
         api_url = f"http://{host or _probe_host(self._read_state().get('host', HOST))}:{port}/api"
-        deadline = time.monotonic() + timeout
-        while not _healthy(api_url, timeout=2.0):
+
+        def ended() -> str | None:
             how = _exit_status(pid)
             if how is None and not _alive(pid, "prefect"):
                 how = f"is gone (pid {pid}: {_cmdline(pid) or 'no such process'})"
-            if how is not None:
-                raise ServerError(f"the Prefect server {how}; {self.server_log} ends with:\n{_tail(self.server_log)}")
-            if time.monotonic() > deadline:
-                raise ServerError(f"the Prefect server did not answer {api_url}/health within {timeout:.0f} s; "
-                                  f"{self.server_log} ends with:\n{_tail(self.server_log)}")
-            time.sleep(0.25)
+            return how
+
+        try:
+            processes.wait_ready(lambda: _healthy(api_url, timeout=2.0), what="the Prefect server",
+                                 probe=f"{api_url}/health", timeout_s=timeout, ended=ended, poll_s=0.25,
+                                 tail=lambda: f"{self.server_log} ends with:\n{_tail(self.server_log)}")
+        except (RuntimeError, TimeoutError) as e:
+            raise ServerError(str(e)) from None
 
     # ---- state file ------------------------------------------------------------------------
 
@@ -508,16 +509,13 @@ def _healthy(api_url: str, timeout: float) -> bool:
 
 
 def _exit_status(pid: int) -> str | None:
-    """How our child ``pid`` ended ("exited with code 1", "was killed by signal 9"), reaping it;
-    None while it runs (or when it is not our child)."""
+    """How our child ``pid`` ended (``processes.exit_text``), reaping it; None while it runs (or
+    when it is not our child)."""
     try:
         reaped, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         return None
-    if reaped == 0:
-        return None
-    code = os.waitstatus_to_exitcode(status)
-    return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+    return None if reaped == 0 else processes.exit_text(os.waitstatus_to_exitcode(status))
 
 
 def _cmdline(pid: int) -> str:
@@ -538,15 +536,8 @@ def _alive(pid: int, name: str) -> bool:
 def _stop_process_group(pid: int, timeout: float) -> None:
     """SIGTERM the process group that ``pid`` leads (it was started in its own session), then
     SIGKILL it if it has not exited within ``timeout`` seconds."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _alive(pid, ""):
-                return
-            time.sleep(0.1)
-    raise ServerError(f"process {pid} did not exit after SIGKILL")
+    if not processes.stop_group(pid, timeout, gone=lambda: not _alive(pid, "")):
+        raise ServerError(f"process {pid} did not exit after SIGKILL")
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -1,4 +1,11 @@
-"""Is a process still the one we knew? Liveness that survives zombies and recycled pids.
+"""The child processes this project starts: waiting until one is ready, saying how one ended,
+stopping one or its process group, and liveness that survives zombies and recycled pids.
+
+Every server the project starts (the engine server, vLLM under its watchdog, the Prefect server,
+moto's S3 endpoint) is waited for with ``wait_ready``: a probe until it answers, an error naming the
+server and its last output when it exits first or misses its deadline. ``ended`` and ``exit_text``
+say how a process ended in the same words everywhere; ``terminate`` and ``stop_group`` stop one (a
+process; a process group, for servers that start processes of their own).
 
 ``os.kill(pid, 0)`` answers "some process has this pid", which is not "the process that wrote this
 record still runs": a process killed with SIGKILL stays a zombie (and answers) until its parent or
@@ -7,7 +14,7 @@ process for the life of the machine (the boot it runs in and its start time in c
 ``alive(pid, identity)`` is true only while that very process runs and is not a zombie.
 
 Linux reads ``/proc``; elsewhere there is no start time to compare, and ``alive`` falls back to
-``kill(pid, 0)``. Standard library only.
+``kill(pid, 0)``. Standard library only: the watchdog imports it under vLLM's Python.
 """
 
 from __future__ import annotations
@@ -142,6 +149,83 @@ def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group that ``pid`` leads (started with ``start_new_session``),
+    if it still exists."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(pid: int, grace_s: float, sig: int = signal.SIGTERM,
+               gone: Callable[[], bool] | None = None) -> bool:
+    """Signal the group that ``pid`` leads with ``sig``, and SIGKILL the group if its leader has not
+    ended within ``grace_s``; True once the leader is gone (within 5 s of the kill). ``gone`` says
+    whether the leader has ended (default: ``not alive(pid)``; a parent passes its child's own
+    ``poll``, which also reaps it)."""
+    gone = gone or (lambda: not alive(pid))
+    for signum, wait_s in ((sig, grace_s), (signal.SIGKILL, 5.0)):
+        signal_group(pid, signum)
+        if wait_until(gone, wait_s):
+            return True
+    return False
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Whether ``condition()`` turned true within ``timeout_s`` (checked every ``poll_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def exit_text(code: int) -> str:
+    """``"exited with code 1"`` or ``"was killed by signal SIGKILL"`` for a ``returncode``."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def ended(proc: subprocess.Popen) -> str | None:
+    """How ``proc`` ended (``exit_text``), reaping it; None while it runs."""
+    code = proc.poll()
+    return None if code is None else exit_text(code)
+
+
+def wait_ready(ready: Callable[[], bool], *, what: str, probe: str, timeout_s: float,
+               ended: Callable[[], str | None], tail: Callable[[], str], setting: str = "",
+               poll_s: float = 0.1) -> None:
+    """Wait until ``ready()`` (a probe of ``probe``, a URL) is true for a server this process started.
+    Raises RuntimeError as soon as ``ended()`` says how its process ended, and TimeoutError after
+    ``timeout_s`` (``setting``: where that deadline is set); both name ``what`` and end with
+    ``tail()`` (its last output, or where its log is)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        how = ended()
+        if how is not None:
+            raise RuntimeError(f"{what} {how}; {tail()}")
+        if time.monotonic() > deadline:
+            where = f" ({setting})" if setting else ""
+            raise TimeoutError(f"{what} did not answer {probe} within {timeout_s:g} s{where}; {tail()}")
+        time.sleep(poll_s)
+
+
+def package_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's by default) with this package's root first on ``PYTHONPATH``: a
+    child started with ``python -m miles_core...`` imports the same code from any directory,
+    installed or not."""
+    env = dict(os.environ if env is None else env)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
 
 
 def alive(pid: int, known_as: str | None = None) -> bool:

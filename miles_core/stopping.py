@@ -146,10 +146,7 @@ def _signal(child: subprocess.Popen, sig: int) -> None:
 
 def _kill_session(child: subprocess.Popen) -> None:
     """SIGKILL every process of the run's session (its group: the run leads it)."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    processes.signal_group(child.pid, signal.SIGKILL)
     try:
         child.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -59,7 +59,6 @@ import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_core import processes
@@ -561,9 +560,7 @@ class LocalEngineServer:
         output if it exits or does not answer within ``cfg.startup_timeout_s``."""
         if self.proc is not None:
             raise RuntimeError(f"{self!r} was started already")
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env = processes.package_env()
         if self.storage_options:
             env[STORAGE_OPTIONS_ENV] = json.dumps(self.storage_options)
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -572,7 +569,7 @@ class LocalEngineServer:
         self._reader = threading.Thread(target=self._read_output, name="engine-server-output", daemon=True)
         self._reader.start()
         try:
-            self._wait_ready(time.monotonic() + self.cfg.startup_timeout_s)
+            self._wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -616,23 +613,22 @@ class LocalEngineServer:
             else:
                 log.debug("engine server: %s", line.rstrip())
 
-    def _wait_ready(self, deadline: float) -> None:
+    def _wait_ready(self) -> None:
+        """Until it has printed its address (``READY_PREFIX``) and answers ``/health`` there."""
         proc = self.proc
-        assert proc is not None
-        while not self._ready.wait(0.05):
+        assert proc is not None and self._reader is not None
+
+        def ready() -> bool:
+            return self._ready.wait(0.05) and processes.http_status(f"{self.url}/health", timeout=5) == 200
+
+        def tail() -> str:
             if proc.poll() is not None:
-                self._reader.join(timeout=2)
-                raise RuntimeError(f"engine server for {self.model_dir} exited with code {proc.returncode}:\n"
-                                   f"{self.output()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine server for {self.model_dir} not ready within "
-                                   f"{self.cfg.startup_timeout_s:g} s (engine.startup_timeout_s):\n{self.output()}")
-        while True:
-            if processes.http_status(f"{self.url}/health", timeout=5) == 200:
-                return
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"engine server at {self.url} does not answer /health:\n{self.output()}")
-            time.sleep(0.05)
+                self._reader.join(timeout=2)  # the whole of what it printed before it ended
+            return f"its last output:\n{self.output()}"
+
+        processes.wait_ready(ready, what=f"engine server for {self.model_dir}", probe="its address, then /health",
+                             timeout_s=self.cfg.startup_timeout_s, ended=lambda: processes.ended(proc), tail=tail,
+                             setting="engine.startup_timeout_s", poll_s=0.05)
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

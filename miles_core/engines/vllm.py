@@ -40,7 +40,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 import uuid
 import weakref
 from pathlib import Path
@@ -488,7 +487,7 @@ class LocalVLLMServer:
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._finalizer = weakref.finalize(self, processes.terminate, self.proc)  # the watchdog takes the server's group down
         try:
-            self._wait_ready(time.monotonic() + self.cfg.startup_timeout_s)
+            self._wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -519,17 +518,13 @@ class LocalVLLMServer:
     def __repr__(self) -> str:
         return f"LocalVLLMServer({self.model_dir!r}, port={self.port})"
 
-    def _wait_ready(self, deadline: float) -> None:
+    def _wait_ready(self) -> None:
         proc = self.proc
         assert proc is not None
-        while processes.http_status(f"{self.url}/health", timeout=2) != 200:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server for {self.model_dir} exited with code {proc.returncode}; "
-                                   f"the end of its log ({self.log_path}):\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM server for {self.model_dir} did not answer {self.url}/health within "
-                                   f"{self.cfg.startup_timeout_s:g} s (engine.startup_timeout_s); the end of "
-                                   f"its log ({self.log_path}):\n{self.log_tail()}")
-            time.sleep(0.5)
+        processes.wait_ready(lambda: processes.http_status(f"{self.url}/health", timeout=2) == 200,
+                             what=f"vLLM server for {self.model_dir}", probe=f"{self.url}/health",
+                             timeout_s=self.cfg.startup_timeout_s, ended=lambda: processes.ended(proc),
+                             tail=lambda: f"the end of its log ({self.log_path}):\n{self.log_tail()}",
+                             setting="engine.startup_timeout_s", poll_s=0.5)
 
 

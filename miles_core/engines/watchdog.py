@@ -30,18 +30,8 @@ GRACE_S = 10.0
 
 def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
     """Signal the command's group, then kill it after ``GRACE_S``; the command's exit code."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    try:
-        return proc.wait(GRACE_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return proc.wait()
+    processes.stop_group(proc.pid, GRACE_S, sig, gone=lambda: proc.poll() is not None)
+    return proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

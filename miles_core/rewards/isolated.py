@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Callable
 
 from miles_core import processes
@@ -51,10 +50,8 @@ class _Worker:
     """One worker: ``python -m miles_core.rewards.isolated``, spoken to over its stdin and stdout."""
 
     def __init__(self) -> None:
-        package_root = str(Path(__file__).resolve().parents[2])  # found by the worker from any cwd, installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         self.process = subprocess.Popen([sys.executable, "-m", __name__, *PRELOAD], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, close_fds=True, env=env)
+                                        stdout=subprocess.PIPE, close_fds=True, env=processes.package_env())
         self.send = Connection(os.dup(self.process.stdin.fileno()), readable=False)
         self.recv = Connection(os.dup(self.process.stdout.fileno()), writable=False)
         self.process.stdin.close()

@@ -131,11 +131,8 @@ class SubprocessLauncher:
 
     def ended(self, producer: str) -> str | None:
         proc = self.procs.get(producer)
-        if proc is None or proc.poll() is None:
-            return None
-        code = proc.returncode
-        return f"its process {proc.pid} exited with code {code}" if code >= 0 else \
-            f"its process {proc.pid} was killed by signal {signal.Signals(-code).name}"
+        how = None if proc is None else processes.ended(proc)
+        return None if how is None else f"its process {proc.pid} {how}"
 
     def stop(self, producer: str, timeout: float = 10.0) -> bool:
         """Make sure it is gone: SIGTERM (it stops cleanly), then SIGKILL after ``timeout``; True

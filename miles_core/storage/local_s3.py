@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 from miles_core import processes
@@ -42,30 +41,21 @@ class LocalS3:
         if exe is None:
             raise RuntimeError("moto_server not found: install the dev extra (pip install 'moto[server]')")
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        self._proc = subprocess.Popen(
-            [exe, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        )
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with code {self._proc.returncode} on port {self.port}")
-            try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"moto_server did not answer on {self.endpoint} within {self.start_timeout}s")
+        self._proc = proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            processes.wait_ready(lambda: processes.http_status(self.endpoint + "/moto-api/", timeout=1) == 200,
+                                 what="moto_server", probe=f"{self.endpoint}/moto-api/", timeout_s=self.start_timeout,
+                                 ended=lambda: processes.ended(proc),
+                                 tail=lambda: f"its output is not kept: run {exe} -H 127.0.0.1 -p {self.port} to see it")
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            processes.terminate(self._proc, 10)
         self._proc = None
 
     def restart(self, downtime: float = 0.0) -> None:

@@ -290,16 +290,13 @@ def launch_command(backend: DeepSpeedTrainerConfig, spec_path: str) -> list[str]
 
 
 def _launch_env(backend: DeepSpeedTrainerConfig) -> dict[str, str]:
-    env = dict(os.environ)
+    env = processes.package_env()  # the ranks import this package from the same place as this process
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # this process's own group (if any) is not the ranks'
     if backend.device == "cpu":
         # the deepspeed launcher counts CPU "devices" by NUMA node unless told how many ranks
         env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(backend.num_processes))
     env.setdefault("OMP_NUM_THREADS", "1")
-    # the ranks import this package from the same place as this process
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -330,10 +327,7 @@ def _stop(proc: subprocess.Popen, pids: dict[int, int]) -> bool:
         return True
     except subprocess.TimeoutExpired:
         pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    processes.signal_group(proc.pid, signal.SIGKILL)
     for pid in pids.values():  # ranks in sessions of their own
         try:
             os.kill(pid, signal.SIGKILL)

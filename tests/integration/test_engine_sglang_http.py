@@ -218,7 +218,7 @@ def test_setup_engine_launches_a_pinned_server_and_close_stops_it(tiny_model_dir
 
 def test_a_server_that_cannot_start_says_why(tmp_path):
     cfg = SGLangEngineConfig(startup_timeout_s=60)
-    with pytest.raises(RuntimeError, match=r"exited with code 1:(.|\n)*" + str(tmp_path / "empty")):
+    with pytest.raises(RuntimeError, match=r"exited with code 1; its last output:(.|\n)*" + str(tmp_path / "empty")):
         LocalEngineServer(str(tmp_path / "empty"), cfg).start()
 
 
