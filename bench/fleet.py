@@ -86,8 +86,9 @@ class ProcessLauncher:
         self.procs[producer] = proc
 
     def ended(self, producer: str) -> str | None:
-        code = self.procs[producer].poll()
-        return None if code is None else f"exited with code {code}"
+        from miles_core import processes
+
+        return processes.ended(self.procs[producer])
 
     def stop(self, producer: str, timeout: float = 10.0) -> None:
         try:

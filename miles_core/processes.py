@@ -1,11 +1,12 @@
 """The child processes this project starts: waiting until one is ready, saying how one ended,
 stopping one or its process group, and liveness that survives zombies and recycled pids.
 
-Every server the project starts (the engine server, vLLM under its watchdog, the Prefect server,
-moto's S3 endpoint) is waited for with ``wait_ready``: a probe until it answers, an error naming the
-server and its last output when it exits first or misses its deadline. ``ended`` and ``exit_text``
-say how a process ended in the same words everywhere; ``terminate`` and ``stop_group`` stop one (a
-process; a process group, for servers that start processes of their own).
+Every HTTP server the project starts (the engine server, vLLM under its watchdog, the Prefect
+server, moto's S3 endpoint) is waited for with ``wait_ready``: a probe until it answers, an error
+naming the server and its last output when it exits first or misses its deadline. (PostgreSQL is
+waited for by ``pg_ctl -w``, trainer ranks by their connections: ``train/launch.py``.) ``ended`` and
+``exit_text`` say how a child ended, in the same words wherever it is reported; ``terminate`` stops
+a process, ``stop_group`` the group a server leads (SIGKILLed whole if the leader outlives its grace).
 
 ``os.kill(pid, 0)`` answers "some process has this pid", which is not "the process that wrote this
 record still runs": a process killed with SIGKILL stays a zombie (and answers) until its parent or
@@ -203,7 +204,8 @@ def ended(proc: subprocess.Popen) -> str | None:
 def wait_ready(ready: Callable[[], bool], *, what: str, probe: str, timeout_s: float,
                ended: Callable[[], str | None], tail: Callable[[], str], setting: str = "",
                poll_s: float = 0.1) -> None:
-    """Wait until ``ready()`` (a probe of ``probe``, a URL) is true for a server this process started.
+    """Wait until ``ready()`` (a probe of ``probe``: a URL, or what stands for one) is true for a
+    server this process started.
     Raises RuntimeError as soon as ``ended()`` says how its process ended, and TimeoutError after
     ``timeout_s`` (``setting``: where that deadline is set); both name ``what`` and end with
     ``tail()`` (its last output, or where its log is)."""

@@ -626,7 +626,7 @@ class LocalEngineServer:
                 self._reader.join(timeout=2)  # the whole of what it printed before it ended
             return f"its last output:\n{self.output()}"
 
-        processes.wait_ready(ready, what=f"engine server for {self.model_dir}", probe="its address, then /health",
+        processes.wait_ready(ready, what=f"engine server for {self.model_dir}", probe="/health at the address it prints",
                              timeout_s=self.cfg.startup_timeout_s, ended=lambda: processes.ended(proc), tail=tail,
                              setting="engine.startup_timeout_s", poll_s=0.05)
 

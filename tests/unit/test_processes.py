@@ -99,6 +99,7 @@ def test_stop_group_kills_a_group_whose_leader_ignores_sigterm_and_what_it_start
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.stdin.close()
         proc.stdout.close()
 
 
