@@ -185,22 +185,34 @@ class Fleet:
 
     def cancel(self, timeout: float = 20.0) -> None:
         """The training run was cancelled or failed: cancel every producer now (a flow run ends
-        CANCELLED, a child process gets SIGTERM); each still stops cleanly, whole segments only.
-        One still running after ``timeout`` is killed (inside the 30 s a Prefect runner gives a
-        cancelled run's processes before it kills them all)."""
+        CANCELLED, a child process gets SIGTERM) and say so in the run folder at once (a producer
+        elsewhere, or one its signal did not stop, stops at its next poll); each still stops
+        cleanly, whole segments only. One still running after ``timeout`` is killed (inside the 30 s
+        a Prefect runner gives a cancelled run's processes before it kills them all)."""
         if self._stopped:
             return
         self._stopped = True
         self._watching.clear()
         for producer in self.monitor.alive:
             self.launcher.cancel(producer)
+        # on a thread: a storage outage must not hold up the kills below (a CI run once saw a child
+        # producer go on polling the run folder for 20 s after two SIGTERMs, until it was killed)
+        said = threading.Thread(target=self._say_cancelled, name="fleet-cancel", daemon=True)
+        said.start()
         deadline = time.monotonic() + timeout
         for producer in self.monitor.alive:
             if self.launcher.stop(producer, timeout=max(0.0, deadline - time.monotonic())):
                 beat = self.control.heartbeats().get(producer)
                 self.warn(f"rollout producer {producer} had not stopped {timeout:.0f} s after it was cancelled; "
                           f"killed it (its last heartbeat: {beat.status if beat else 'none'})")
-        self.control.request_stop("the training run was cancelled")  # one no signal reached stops by itself
+        said.join(max(0.0, deadline - time.monotonic()))
+
+    def _say_cancelled(self) -> None:
+        try:
+            self.control.request_stop("the training run was cancelled")
+        except Exception as e:  # noqa: BLE001 (the launcher's cancel and the kills still stop them)
+            self.warn(f"could not write the stop request to {self.refs.run_dir}/control ({type(e).__name__}: {e}); "
+                      "the producers are stopped by their launcher only")
 
     # -------------------------------------------------------------------------- the trainer reads
 

@@ -407,3 +407,50 @@ def test_producer_throughput_is_measured_on_each_producers_own_clock():
     gone = meter({"p0": failed, "p1": stats(1.0, 10, 1.0)}, in_flight=0, running=["p1"])  # p0 stopped
     assert gone["async/producer_throughput_qps"] == 10.0  # its rate no longer counts
     assert gone["async/samples_failed"] == 3.0  # its counters do
+
+
+class _SignalLost:
+    """A launcher whose producers did not act on their signal (a CI run saw one go on polling for
+    20 s after two SIGTERMs). Such a producer still polls the run folder: ``stop`` waits, as the
+    fleet does, for it to find the stop request there; if it never does, it is killed."""
+
+    def __init__(self, control: ControlPlane) -> None:
+        self.control, self.killed, self.cancelled = control, [], []
+
+    def launch(self, producer: str) -> None:
+        pass
+
+    def ended(self, producer: str) -> None:
+        return None
+
+    def cancel(self, producer: str) -> None:
+        self.cancelled.append(producer)  # the signal is sent, and lost
+
+    def stop(self, producer: str, timeout: float = 10.0) -> bool:
+        from miles_core.processes import wait_until
+
+        if wait_until(self.control.stop_requested, timeout):
+            return False  # it saw the request at its next poll and stopped cleanly
+        self.killed.append(producer)
+        return True
+
+    def abandon(self, producer: str, reason: str) -> None:
+        pass
+
+
+def test_a_cancelled_fleet_says_stop_in_the_run_folder_before_it_waits_to_kill(tmp_path):
+    from miles_core.config import RunConfig
+    from miles_core.rollout.supervisor import Fleet
+    from miles_core.session.refs import RunRefs
+
+    run_dir = str(tmp_path / "run")
+    cfg = RunConfig(mode={"type": "fully_async", "rollout_producers": 2})
+    launcher = _SignalLost(ControlPlane(run_dir))
+    warnings: list[str] = []
+    fleet = Fleet(cfg, RunRefs("r", run_dir, str(tmp_path / "model")), launcher, SampleStream(run_dir),
+                  warn=warnings.append)
+    fleet._launch(), fleet._launch()
+    fleet.cancel(timeout=30)
+    assert launcher.cancelled == ["p0", "p1"]
+    assert launcher.killed == [] and warnings == []  # both stopped by the run folder's word, none killed
+    assert ControlPlane(run_dir).stop_requested()
