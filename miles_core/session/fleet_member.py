@@ -16,6 +16,7 @@ producer id) alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -183,9 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
     refs = RunRefs(args.run_id, args.run_dir, args.model_dir)
     cancel = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: whole segments, heartbeat "stopped"
-        signal.signal(sig, lambda *_: cancel.set())
     name = f"producer {args.producer_id}"
+
+    def on_signal(signum, _frame) -> None:  # stop cleanly: whole segments, heartbeat "stopped"
+        first = not cancel.is_set()
+        cancel.set()
+        if first:  # said, so a producer that goes on anyway shows whether it was heard
+            with contextlib.suppress(RuntimeError, OSError):  # (a signal inside this thread's own print)
+                print(f"{name}: {signal.Signals(signum).name}: stopping (whole segments only)", file=sys.stderr,
+                      flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         run_fleet_producer(cfg, refs, args.producer_id, cancel=cancel, parent_pid=args.parent_pid,
                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
