@@ -19,6 +19,7 @@ from dataclasses import asdict
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from miles_core import processes
 from miles_core.config import RunConfig
 from miles_core.run import RunRefs, get_session
 
@@ -55,19 +56,19 @@ class DeploymentLauncher:
             return None
         return f"its flow run {self.runs[producer]} is {state.type.value}" + (f": {state.message}" if state.message else "")
 
-    def stop(self, producer: str, timeout: float = 10.0) -> None:
-        """Wait for its flow run to end; cancel it if it does not within ``timeout``."""
-        import time
-
+    def stop(self, producer: str, timeout: float = 10.0) -> bool:
+        """Wait for its flow run to end; cancel it if it does not within ``timeout`` (then True)."""
         if producer not in self.runs:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:  # a producer asked to stop completes by itself
+            return False
+
+        def ended() -> bool:  # a producer asked to stop completes by itself
             state = self._state(producer)
-            if state is not None and state.is_final():
-                return
-            time.sleep(0.2)
+            return state is not None and state.is_final()
+
+        if processes.wait_until(ended, timeout, poll_s=0.2):
+            return False
         self.cancel(producer)
+        return True
 
     def abandon(self, producer: str, reason: str) -> None:
         """It was declared dead: its flow run is marked CRASHED with the reason (its worker may be
